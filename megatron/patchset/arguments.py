@@ -1,0 +1,317 @@
+"""The fork's command-line flags and the rules that validate flag combinations.
+
+Flags are added to megatron's own parser through ``extra_args_provider`` (see
+:func:`add_patchset_args`), in megatron's style: kebab-case, help text, defaults shown.
+
+Validation is a table of :class:`Rule` objects. A rule is a function of the parsed arguments
+that returns ``None`` when the combination is fine, or a message that names the offending
+flags and says how to fix it. Rules run in two phases, both before any GPU work:
+
+* ``layout``: on the freshly parsed arguments, *before* megatron's ``validate_args``, for the
+  parallel layout against the world size (megatron either checks these late, at process-group
+  creation, or with messages that do not name the flag);
+* ``combination``: after megatron's ``validate_args`` (its derived values such as
+  ``data_parallel_size`` are available) and after the model's ``TransformerConfig`` was built.
+
+:func:`validate` runs every rule of a phase and reports all failures at once. No rule changes
+an argument: a requested feature is either honoured or refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any, Callable, Optional
+
+PHASES = ("layout", "combination")
+
+
+class PatchsetArgumentError(ValueError):
+    """One or more flag combinations are invalid; the message lists each with its fix."""
+
+    def __init__(self, failures: list[tuple["Rule", str]]):
+        self.failures = failures
+        lines = [f"megatron-patchset: {len(failures)} invalid flag combination(s):"]
+        for rule, message in failures:
+            lines.append(f"  [{rule.name}] {message}")
+        super().__init__("\n".join(lines))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A validation rule. ``check(args)`` in the layout phase, ``check(args, config)`` in the
+    combination phase (``config`` is the model's TransformerConfig); returns None or a message."""
+
+    name: str
+    phase: str
+    flags: tuple[str, ...]
+    check: Callable[..., Optional[str]]
+    doc: str
+
+
+RULES: list[Rule] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """A fork feature as the dry-run and the README table present it."""
+
+    name: str
+    flags: tuple[str, ...]
+    enabled: Callable[[argparse.Namespace], bool]
+    packages: tuple[str, ...] = ()
+
+
+FEATURES: list[Feature] = []
+
+
+def enabled_features(args: argparse.Namespace) -> list[Feature]:
+    return [f for f in FEATURES if f.enabled(args)]
+
+
+def rule(name: str, *, phase: str, flags: tuple[str, ...]) -> Callable:
+    """Decorator adding a validation rule to :data:`RULES`."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}")
+
+    def decorate(fn: Callable[[argparse.Namespace], Optional[str]]):
+        if any(r.name == name for r in RULES):
+            raise ValueError(f"rule {name!r} defined twice")
+        RULES.append(Rule(name, phase, tuple(flags), fn, (fn.__doc__ or "").strip()))
+        return fn
+
+    return decorate
+
+
+def validate(args: argparse.Namespace, phase: str, config: Any = None) -> None:
+    """Run every rule of ``phase``; raise :class:`PatchsetArgumentError` listing all failures."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}")
+    failures = []
+    for r in RULES:
+        if r.phase != phase:
+            continue
+        message = r.check(args) if phase == "layout" else r.check(args, config)
+        if message:
+            failures.append((r, message))
+    if failures:
+        raise PatchsetArgumentError(failures)
+
+
+# ---------------------------------------------------------------------------------------
+# Flags
+# ---------------------------------------------------------------------------------------
+
+
+def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``extra_args_provider`` for megatron's ``parse_args``: the fork's own flags."""
+    group = parser.add_argument_group(title="megatron-patchset")
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Validate the flag combination for the given world size without a GPU: run "
+        "megatron's argument validation, build the model's TransformerConfig, run the "
+        "fork's rules, print the parallel layout, fork features, patches, parameter count "
+        "and theoretical memory, then exit (0 when the combination is valid).",
+    )
+    group.add_argument(
+        "--dry-run-world-size",
+        type=int,
+        default=None,
+        help="World size (number of GPUs) that --dry-run validates for. "
+        "Default: the WORLD_SIZE environment variable, else 1.",
+    )
+    return parser
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers shared by rules
+# ---------------------------------------------------------------------------------------
+
+
+def world_size(args: argparse.Namespace) -> int:
+    size = getattr(args, "world_size", None)
+    if size is None:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+    return size
+
+
+def _etp(args: argparse.Namespace) -> int:
+    return args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+
+
+def _model_parallel(args: argparse.Namespace) -> int:
+    return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+
+
+def _layout_is_uneven(args: argparse.Namespace) -> bool:
+    return (
+        getattr(args, "pipeline_model_parallel_layout", None) is not None
+        or getattr(args, "decoder_first_pipeline_num_layers", None) is not None
+        or getattr(args, "decoder_last_pipeline_num_layers", None) is not None
+        or getattr(args, "account_for_embedding_in_pipeline_split", False)
+        or getattr(args, "account_for_loss_in_pipeline_split", False)
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Layout rules (before megatron's validate_args)
+# ---------------------------------------------------------------------------------------
+
+
+@rule(
+    "model-parallel-divides-world-size",
+    phase="layout",
+    flags=("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"),
+)
+def _model_parallel_divides_world(args):
+    """TP x PP x CP must divide the number of GPUs."""
+    mp, world = _model_parallel(args), world_size(args)
+    if world % mp:
+        return (
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x "
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} x "
+            f"--context-parallel-size {args.context_parallel_size} = {mp} does not divide the "
+            f"world size {world}. Pick sizes whose product divides the number of GPUs."
+        )
+    return None
+
+
+@rule(
+    "expert-parallel-divides-world-size",
+    phase="layout",
+    flags=("--expert-model-parallel-size", "--expert-tensor-parallel-size", "--pipeline-model-parallel-size"),
+)
+def _expert_parallel_divides_world(args):
+    """ETP x EP x PP must divide the number of GPUs (MoE layers' own process grid)."""
+    ep, etp, pp, world = args.expert_model_parallel_size, _etp(args), args.pipeline_model_parallel_size, world_size(args)
+    if world % (ep * etp * pp):
+        return (
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x "
+            f"--pipeline-model-parallel-size {pp} = {ep * etp * pp} does not divide the world "
+            f"size {world}. Use an --expert-model-parallel-size that divides "
+            f"{world // max(1, etp * pp) if world % (etp * pp) == 0 else world} "
+            f"(the GPUs left per pipeline stage after expert tensor parallelism)."
+        )
+    return None
+
+
+@rule("experts-divisible-by-expert-parallel", phase="layout", flags=("--num-experts", "--expert-model-parallel-size"))
+def _experts_divisible(args):
+    """Every expert-parallel rank must own the same number of experts."""
+    ep = args.expert_model_parallel_size
+    if ep > 1 and args.num_experts is None:
+        return f"--expert-model-parallel-size {ep} needs a MoE model: set --num-experts."
+    if args.num_experts is not None and args.num_experts % ep:
+        return (
+            f"--num-experts {args.num_experts} is not a multiple of "
+            f"--expert-model-parallel-size {ep}; every expert-parallel rank must hold the same "
+            f"number of experts."
+        )
+    return None
+
+
+@rule("heads-divisible-by-tensor-parallel", phase="layout", flags=("--num-attention-heads", "--num-query-groups", "--tensor-model-parallel-size"))
+def _heads_divisible(args):
+    """Attention heads and query groups are split across tensor-parallel ranks."""
+    tp = args.tensor_model_parallel_size
+    problems = []
+    if args.num_attention_heads is not None and args.num_attention_heads % tp:
+        problems.append(f"--num-attention-heads {args.num_attention_heads}")
+    if getattr(args, "group_query_attention", False) and args.num_query_groups and args.num_query_groups % tp:
+        problems.append(f"--num-query-groups {args.num_query_groups}")
+    if problems:
+        return f"{' and '.join(problems)} not divisible by --tensor-model-parallel-size {tp}."
+    return None
+
+
+@rule("layers-divisible-by-pipeline", phase="layout", flags=("--num-layers", "--pipeline-model-parallel-size"))
+def _layers_divisible(args):
+    """An even pipeline split needs num_layers % PP == 0."""
+    pp = args.pipeline_model_parallel_size
+    if pp > 1 and args.num_layers is not None and not _layout_is_uneven(args) and args.num_layers % pp:
+        return (
+            f"--num-layers {args.num_layers} does not split evenly over "
+            f"--pipeline-model-parallel-size {pp}; change either, or give an uneven split with "
+            f"--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers or "
+            f"--pipeline-model-parallel-layout."
+        )
+    return None
+
+
+@rule("global-batch-divisible", phase="layout", flags=("--global-batch-size", "--micro-batch-size"))
+def _global_batch_divisible(args):
+    """The global batch must be a whole number of micro-batches on every data-parallel rank."""
+    world, mp = world_size(args), _model_parallel(args)
+    if args.global_batch_size is None or world % mp:
+        return None
+    dp = world // mp
+    per_step = args.micro_batch_size * dp
+    if args.global_batch_size % per_step:
+        return (
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp} = {per_step}."
+        )
+    return None
+
+
+@rule("pretrain-gpt-data-scope", phase="layout", flags=("--sft", "--dataloader-inter-document-masking"))
+def _pretrain_scope(args):
+    """This pretrain_gpt.py trains on packed pretraining samples (mock or indexed data)."""
+    offending = [
+        flag
+        for flag, on in (
+            ("--sft", getattr(args, "sft", False)),
+            ("--dataloader-inter-document-masking", getattr(args, "dataloader_inter_document_masking", False)),
+        )
+        if on
+    ]
+    if offending:
+        return (
+            f"{', '.join(offending)}: variable-length (THD) batches are not supported by "
+            f"megatron-patchset's pretrain_gpt.py yet; drop the flag."
+        )
+    return None
+
+
+_FILE_TOKENIZERS = {
+    "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+    "BertWordPieceLowerCase": ("--vocab-file",),
+    "BertWordPieceCase": ("--vocab-file",),
+    "SentencePieceTokenizer": ("--tokenizer-model",),
+    "GPTSentencePieceTokenizer": ("--tokenizer-model",),
+    "Llama2Tokenizer": ("--tokenizer-model",),
+    "TikTokenizer": ("--tokenizer-model",),
+    "HuggingFaceTokenizer": ("--tokenizer-model",),
+}
+
+
+@rule("data-and-tokenizer", phase="layout", flags=("--mock-data", "--data-path", "--tokenizer-type"))
+def _data_and_tokenizer(args):
+    """Training needs data (mock or indexed) and a tokenizer that can be built."""
+    problems = []
+    has_data = (
+        args.mock_data
+        or args.data_path
+        or getattr(args, "data_args_path", None)
+        or getattr(args, "per_split_data_args_path", None)
+        or any(getattr(args, f"{s}_data_path", None) for s in ("train", "valid", "test"))
+    )
+    if not has_data:
+        problems.append("no training data: pass --mock-data or --data-path (or --train-data-path ...).")
+    tok = args.tokenizer_type
+    if tok is None:
+        problems.append(
+            "--tokenizer-type is not set: use NullTokenizer with --vocab-size for mock data, "
+            "or the tokenizer your data was preprocessed with."
+        )
+    elif tok == "NullTokenizer" and not args.vocab_size:
+        problems.append("--tokenizer-type NullTokenizer needs --vocab-size.")
+    for flag in _FILE_TOKENIZERS.get(tok or "", ()):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if not value:
+            problems.append(f"--tokenizer-type {tok} needs {flag}.")
+        elif flag != "--tokenizer-model" and not os.path.exists(value):
+            problems.append(f"{flag} {value} does not exist.")
+    return " ".join(problems) or None

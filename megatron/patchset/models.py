@@ -1,0 +1,19 @@
+"""Hooks into megatron's model builder (``megatron.training.models``).
+
+``GPTModelConfig.pre_wrap_hooks`` run on the list of model chunks after they are built and
+before DDP/Megatron-FSDP wrap them; ``post_wrap_hooks`` run after wrapping. The fork's
+features that transform built modules (rather than patch upstream code) plug in here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+ModelHook = Callable[[list], list]
+
+
+def pre_wrap_hooks(args: argparse.Namespace) -> list[ModelHook]:
+    """Hooks the parsed flags ask for, in the order they must run."""
+    hooks: list[ModelHook] = []
+    return hooks

@@ -1,0 +1,165 @@
+"""Patches to ``megatron.training.training``.
+
+``training.metrics_jsonl`` (observe only): with ``MEGATRON_PATCHSET_METRICS=<path>`` set, every
+call of megatron's ``training_log`` also appends one JSON line to ``<path>`` on the last rank,
+with the exact values behind megatron's log line (losses and gradient norm at full precision,
+not the rounded text), the wall-clock time since the previous iteration, megatron's FLOP count
+for the iteration and the GPU memory high-water mark. At the end of training a ``summary``
+line records the peak memory over all ranks. Tests compare runs bit for bit from these files and
+``tools/bench.py`` computes its table from them. The patch computes nothing that training uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any, Optional
+
+from megatron.patchset.patches import register
+
+METRICS_ENV = "MEGATRON_PATCHSET_METRICS"
+
+
+def metrics_path() -> Optional[str]:
+    return os.environ.get(METRICS_ENV) or None
+
+
+def _scalar(value: Any) -> Any:
+    """A float for tensors and numbers (exact repr in JSON), None for missing values."""
+    if value is None:
+        return None
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value
+    return str(value)
+
+
+class MetricsRecorder:
+    """Appends per-iteration records to a JSON-lines file (only on the last rank)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.last_time: Optional[float] = None
+        self._file = None
+
+    def _is_writer(self) -> bool:
+        import torch
+
+        if not torch.distributed.is_initialized():
+            return True
+        return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+    def write(self, record: dict) -> None:
+        if self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+        self._file.write(json.dumps(record) + "\n")
+
+    def iteration(self, *, iteration, loss_dict, grad_norm, learning_rate, loss_scale, skipped_iter, num_zeros) -> None:
+        import torch
+        from megatron.training import get_args
+        from megatron.training.training import num_floating_point_operations
+        from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+        now = time.perf_counter()
+        elapsed = None if self.last_time is None else now - self.last_time
+        self.last_time = now
+        if not self._is_writer():
+            return
+        args = get_args()
+        batch = get_current_global_batch_size()
+        record = {
+            "iteration": int(iteration),
+            "time_s": elapsed,
+            "losses": {key: _scalar(val) for key, val in (loss_dict or {}).items()},
+            "grad_norm": _scalar(grad_norm),
+            "learning_rate": _scalar(learning_rate),
+            "loss_scale": _scalar(loss_scale),
+            "skipped": _scalar(skipped_iter),
+            "num_zeros": _scalar(num_zeros),
+            "global_batch_size": batch,
+            "tokens": batch * args.seq_length,
+            "flops": float(num_floating_point_operations(args, batch)),
+            "world_size": args.world_size,
+        }
+        if torch.cuda.is_available():
+            record["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            record["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        self.write(record)
+
+    def summary(self) -> None:
+        """Peak memory over all ranks; one ``summary`` line."""
+        import torch
+
+        peak = {"max_allocated_gib": 0.0, "max_reserved_gib": 0.0}
+        if torch.cuda.is_available():
+            values = torch.tensor(
+                [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
+                dtype=torch.float64,
+                device="cuda",
+            )
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+            peak = {"max_allocated_gib": values[0].item() / 2**30, "max_reserved_gib": values[1].item() / 2**30}
+        if self._is_writer():
+            self.write({"summary": peak})
+
+
+_RECORDER: Optional[MetricsRecorder] = None
+
+
+def recorder() -> Optional[MetricsRecorder]:
+    """The process's recorder when metrics are requested, else None."""
+    global _RECORDER
+    path = metrics_path()
+    if path is None:
+        return None
+    if _RECORDER is None or _RECORDER.path != path:
+        _RECORDER = MetricsRecorder(path)
+    return _RECORDER
+
+
+@register(
+    "training.metrics_jsonl",
+    "megatron.training.training.training_log",
+    reason="exact per-iteration losses, grad norm, time, FLOPs and memory for tests and tools/bench.py",
+    upstream_pr="fork-only (instrumentation)",
+    flags=(f"env {METRICS_ENV}",),
+    enabled=lambda args: metrics_path() is not None,
+    wraps=True,
+    kind="observe",
+)
+def _wrap_training_log(original):
+    @functools.wraps(original)
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                     report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
+                     *args, **kwargs):
+        result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                          report_memory_flag, skipped_iter, grad_norm, params_norm,
+                          num_zeros_in_grad, *args, **kwargs)
+        rec = recorder()
+        if rec is not None:
+            rec.iteration(
+                iteration=iteration,
+                loss_dict=loss_dict,
+                grad_norm=grad_norm,
+                learning_rate=learning_rate,
+                loss_scale=loss_scale,
+                skipped_iter=skipped_iter,
+                num_zeros=num_zeros_in_grad,
+            )
+        return result
+
+    return training_log
+
+
+def write_summary() -> None:
+    """Called by the launchers after ``pretrain`` returns (all ranks)."""
+    rec = recorder()
+    if rec is not None:
+        rec.summary()

@@ -1,0 +1,39 @@
+"""Shared helpers for the CPU tests: megatron's real parser, the example configs."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "examples", "configs", "tiny_moe.args")
+REFERENCE = os.path.join(ROOT, "examples", "configs", "reference_moe.args")
+
+
+def parse(argv, world_size=1):
+    """megatron's parse_args with the fork's flags, as pretrain_gpt.py parses them."""
+    from megatron.patchset.arguments import add_patchset_args
+    from megatron.training.arguments import parse_args
+
+    saved_argv, saved_ws = sys.argv, os.environ.get("WORLD_SIZE")
+    sys.argv = ["pretrain_gpt.py", *argv]
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        return parse_args(add_patchset_args)
+    finally:
+        sys.argv = saved_argv
+        if saved_ws is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = saved_ws
+
+
+def tiny_argv(*extra):
+    from megatron.patchset import argsfile
+
+    return argsfile.read(TINY) + list(extra)
+
+
+@pytest.fixture
+def tiny():
+    return tiny_argv

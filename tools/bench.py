@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""Side-by-side training benchmark: named variants of one config, on the same GPUs, in one run.
+
+    python tools/bench.py --config examples/configs/reference_moe.args --nproc 1 \\
+        --variant upstream \\
+        --variant "graphs-attn=--cuda-graph-impl transformer_engine --cuda-graph-modules attn"
+
+Every variant trains the config through ``pretrain_gpt.py`` under ``torchrun`` for ``--iters``
+iterations with ``MEGATRON_PATCHSET_METRICS`` set, so megatron's own training loop records
+each iteration's exact loss, wall-clock time, FLOPs (megatron's formula) and memory. The
+variant named ``upstream`` is the baseline: unpatched megatron-core (``MEGATRON_PATCHSET=off``,
+or Megatron-LM's own script through ``tools/run_upstream.py`` with ``--upstream-script``).
+
+Per variant it prints: median step time after ``--warmup`` iterations, tokens/s, model
+TFLOP/s per GPU and MFU against the GPU's bf16 peak, peak memory (max over ranks), final loss
+and the speed-up over the first variant. It writes ``bench.json`` and ``bench.png`` (step
+time, MFU, memory and loss curves) into ``--out``.
+
+``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
+micro-batch-size=1,2,4``); ``--set FLAG=VALUE`` overrides the config for all variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.patchset import argsfile  # noqa: E402
+
+# Dense bf16 matrix-multiply rate used as the MFU denominator, TFLOP/s. For Hopper it is the
+# rate measured on this workplace's H100/H200 (788-798 TFLOP/s for 8192^3 bf16 GEMMs); the
+# datasheet's 989 would give MFUs 0.8x as large. Override with --peak-tflops.
+PEAK_BF16_TFLOPS = {"H100": 790.0, "H200": 790.0, "H800": 790.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, _, flags = text.partition("=")
+    name = name.strip()
+    if not name:
+        raise argparse.ArgumentTypeError(f"variant {text!r} has no name")
+    return name, shlex.split(flags)
+
+
+def parse_assignment(text: str) -> tuple[str, list[str]]:
+    flag, sep, values = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FLAG=VALUE")
+    flag = flag if flag.startswith("--") else f"--{flag}"
+    return flag, [v for v in values.split(",") if v != ""]
+
+
+def device_facts() -> dict:
+    facts: dict = {}
+    try:
+        import torch
+
+        facts["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            facts["device"] = torch.cuda.get_device_name(0)
+            facts["device_count"] = torch.cuda.device_count()
+            facts["device_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    except ImportError:
+        pass
+    try:
+        from megatron.core import package_info
+
+        facts["megatron_core"] = package_info.__version__
+    except ImportError:
+        pass
+    try:
+        from importlib import metadata
+
+        facts["transformer_engine"] = metadata.version("transformer-engine")
+    except Exception:
+        facts["transformer_engine"] = None
+    return facts
+
+
+def default_peak(device: Optional[str]) -> Optional[float]:
+    if not device:
+        return None
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in device:
+            return value
+    return None
+
+
+def summarize(records: list[dict], warmup: int, peak_tflops: Optional[float]) -> dict:
+    """Reduce one variant's metrics lines to the table's numbers."""
+    iters = [r for r in records if "iteration" in r]
+    summary = next((r["summary"] for r in records if "summary" in r), {})
+    timed = [r for r in iters if r["iteration"] > warmup and r.get("time_s")]
+    if not timed:
+        raise ValueError(f"no timed iterations after warm-up {warmup} ({len(iters)} recorded)")
+    step = statistics.median(r["time_s"] for r in timed)
+    last = iters[-1]
+    world = last["world_size"]
+    tflops = last["flops"] / step / world / 1e12
+    losses = [r["losses"].get("lm loss") for r in iters]
+    result = {
+        "iterations": len(iters),
+        "timed_iterations": len(timed),
+        "step_ms": step * 1e3,
+        "step_ms_min": min(r["time_s"] for r in timed) * 1e3,
+        "step_ms_max": max(r["time_s"] for r in timed) * 1e3,
+        "tokens_per_s": last["tokens"] / step,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "peak_allocated_gib": summary.get("max_allocated_gib", last.get("max_allocated_gib")),
+        "peak_reserved_gib": summary.get("max_reserved_gib", last.get("max_reserved_gib")),
+        "final_loss": losses[-1],
+        "losses": losses,
+        "grad_norms": [r.get("grad_norm") for r in iters],
+        "step_ms_series": [None if r.get("time_s") is None else r["time_s"] * 1e3 for r in iters],
+    }
+    return result
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout) -> tuple[int, str, str]:
+    metrics = os.path.join(out_dir, f"{name}.jsonl")
+    log = os.path.join(out_dir, f"{name}.log")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    env = dict(os.environ)
+    env.update(env_extra)
+    env["MEGATRON_PATCHSET_METRICS"] = metrics
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", *entry_argv,
+    ]
+    with open(log, "w") as handle:
+        handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+        handle.flush()
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return code, metrics, log
+
+
+def tail(path: str, lines: int = 25) -> str:
+    with open(path, errors="replace") as handle:
+        return "".join(handle.readlines()[-lines:])
+
+
+def format_table(rows: list[dict], peak: Optional[float]) -> str:
+    head = ["variant", "step ms", "tokens/s", "TFLOP/s/GPU", f"MFU@{peak:.0f}" if peak else "MFU",
+            "peak alloc GiB", "peak resv GiB", "final loss", "speed-up"]
+    table = [head]
+    base = rows[0]["step_ms"] if rows and rows[0].get("step_ms") else None
+    for r in rows:
+        if r.get("error"):
+            table.append([r["variant"], "FAILED", r["error"][:60], "", "", "", "", "", ""])
+            continue
+        table.append([
+            r["variant"],
+            f"{r['step_ms']:.1f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['tflops_per_gpu']:.1f}",
+            f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-",
+            f"{r['peak_allocated_gib']:.2f}" if r.get("peak_allocated_gib") is not None else "-",
+            f"{r['peak_reserved_gib']:.2f}" if r.get("peak_reserved_gib") is not None else "-",
+            f"{r['final_loss']:.6f}" if r.get("final_loss") is not None else "-",
+            f"{base / r['step_ms']:.2f}x" if base else "-",
+        ])
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
+    lines = ["| " + " | ".join(str(c).ljust(widths[i]) for i, c in enumerate(row)) + " |" for row in table]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ok = [r for r in rows if not r.get("error")]
+    if not ok:
+        return None
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    names = [r["variant"] for r in ok]
+    axes[0].bar(names, [r["step_ms"] for r in ok], color="tab:blue")
+    axes[0].set_ylabel("median step time (ms)")
+    axes[1].bar(names, [100 * (r.get("mfu") or 0) for r in ok], color="tab:green")
+    axes[1].set_ylabel("MFU (%)")
+    axes[2].bar(names, [r.get("peak_reserved_gib") or 0 for r in ok], color="tab:red", label="reserved")
+    axes[2].bar(names, [r.get("peak_allocated_gib") or 0 for r in ok], color="tab:orange", label="allocated")
+    axes[2].set_ylabel("peak GPU memory (GiB)")
+    axes[2].legend()
+    for r in ok:
+        axes[3].plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["variant"])
+    axes[3].set_xlabel("iteration")
+    axes[3].set_ylabel("lm loss")
+    axes[3].legend(fontsize=7)
+    for ax in axes[:3]:
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="flag file (examples/configs/*.args)")
+    p.add_argument("--variant", action="append", type=parse_variant, default=[],
+                   help="NAME=FLAGS; repeatable. 'upstream' (no flags) is the unpatched baseline. "
+                        "Default: upstream only.")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun --nproc-per-node). Default: 1.")
+    p.add_argument("--iters", type=int, default=30, help="training iterations per variant. Default: 30.")
+    p.add_argument("--warmup", type=int, default=10, help="iterations excluded from timing. Default: 10.")
+    p.add_argument("--set", action="append", type=parse_assignment, default=[],
+                   help="FLAG=VALUE config override for every variant (repeatable).")
+    p.add_argument("--sweep", type=parse_assignment, default=None,
+                   help="FLAG=V1,V2,...: run every variant once per value.")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="bf16 dense peak for MFU. Default: by device (Hopper: 790, measured).")
+    p.add_argument("--upstream-script", default=None,
+                   help="Megatron-LM's pretrain_gpt.py: the 'upstream' variant runs it through "
+                        "tools/run_upstream.py instead of this repo's script with MEGATRON_PATCHSET=off.")
+    p.add_argument("--out", default="bench-out", help="output folder. Default: bench-out.")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per variant. Default: 900.")
+    p.add_argument("--title", default=None, help="chart title.")
+    opts = p.parse_args(argv)
+
+    variants = opts.variant or [("upstream", [])]
+    base_argv = argsfile.read(opts.config)
+    for flag, values in opts.set:
+        base_argv = argsfile.override(base_argv, flag, *values)
+    base_argv = argsfile.override(base_argv, "--train-iters", str(opts.iters))
+    base_argv = argsfile.override(base_argv, "--log-interval", "1")
+    if opts.warmup >= opts.iters:
+        p.error("--warmup must be smaller than --iters")
+    sweep_flag, sweep_values = opts.sweep if opts.sweep else (None, [None])
+
+    os.makedirs(opts.out, exist_ok=True)
+    facts = device_facts()
+    peak = opts.peak_tflops or default_peak(facts.get("device"))
+    rows = []
+    started = time.time()
+    for value in sweep_values:
+        for name, flags in variants:
+            label = name if value is None else f"{name} {sweep_flag[2:]}={value}"
+            argv = base_argv if value is None else argsfile.override(base_argv, sweep_flag, value)
+            env = {}
+            if name == "upstream" and not flags:
+                if opts.upstream_script:
+                    entry = [os.path.join(ROOT, "tools", "run_upstream.py"), opts.upstream_script]
+                else:
+                    entry = [os.path.join(ROOT, "pretrain_gpt.py")]
+                    env["MEGATRON_PATCHSET"] = "off"
+            else:
+                entry = [os.path.join(ROOT, "pretrain_gpt.py")]
+            safe = label.replace(" ", "_").replace("=", "-").replace("/", "-")
+            print(f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...", flush=True)
+            code, metrics, log = run_variant(safe, entry + argv + flags, env, opts.nproc, opts.out, opts.timeout)
+            row = {"variant": label, "flags": flags, "exit_code": code, "log": log}
+            if code != 0 or not os.path.exists(metrics):
+                row["error"] = f"exit code {code}"
+                print(f"[bench] {label} FAILED (exit {code}); last lines of {log}:\n{tail(log)}", flush=True)
+            else:
+                try:
+                    row.update(summarize(read_metrics(metrics), opts.warmup, peak))
+                except ValueError as exc:
+                    row["error"] = str(exc)
+            rows.append(row)
+
+    title = opts.title or f"{os.path.basename(opts.config)} on {opts.nproc}x {facts.get('device', '?')}"
+    result = {
+        "config": opts.config,
+        "nproc": opts.nproc,
+        "iters": opts.iters,
+        "warmup": opts.warmup,
+        "overrides": [[f, v] for f, v in opts.set],
+        "sweep": [sweep_flag, sweep_values] if opts.sweep else None,
+        "peak_tflops": peak,
+        "facts": facts,
+        "wall_s": time.time() - started,
+        "variants": rows,
+    }
+    with open(os.path.join(opts.out, "bench.json"), "w") as handle:
+        json.dump(result, handle, indent=1)
+    chart = plot(rows, os.path.join(opts.out, "bench.png"), title)
+    print()
+    print(f"{title}; torch {facts.get('torch')}, megatron-core {facts.get('megatron_core')}, "
+          f"transformer-engine {facts.get('transformer_engine')}; {opts.iters} iterations, "
+          f"median of the last {opts.iters - opts.warmup}")
+    print(format_table(rows, peak))
+    print(f"wrote {os.path.join(opts.out, 'bench.json')}" + (f" and {chart}" if chart else ""))
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

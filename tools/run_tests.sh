@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The test command: create .venv (Python >= 3.12 with the pinned CPU stack) when it is missing
+# or stale, then run the CPU test tier. Extra arguments go to pytest, e.g.
+#   bash tools/run_tests.sh -k registry          # a subset
+#   bash tools/run_tests.sh tests/gpu            # the GPU tier (skips without GPUs)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+version_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
+
+find_python() {
+  local candidate
+  for candidate in "${PYTHON:-}" python3.12 python3.13 python3; do
+    [ -n "$candidate" ] || continue
+    if command -v "$candidate" >/dev/null 2>&1 && version_ok "$(command -v "$candidate")"; then
+      command -v "$candidate"; return 0
+    fi
+  done
+  local root
+  root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
+  for candidate in "$root"/versions/3.1[2-9]*/bin/python3.1[2-9] /usr/local/bin/python3.1[2-9] /usr/bin/python3.1[2-9]; do
+    if [ -x "$candidate" ] && version_ok "$candidate"; then echo "$candidate"; return 0; fi
+  done
+  return 1
+}
+
+stamp=$(cat requirements/ci.txt | sha256sum | cut -c1-16)
+if [ ! -x .venv/bin/python ] || ! version_ok .venv/bin/python || [ "$(cat .venv/.requirements-stamp 2>/dev/null)" != "$stamp" ]; then
+  py=$(find_python) || { echo "run_tests.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
+  echo "run_tests.sh: creating .venv with $py ($("$py" --version))"
+  rm -rf .venv
+  "$py" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements/ci.txt
+  echo "$stamp" > .venv/.requirements-stamp
+fi
+
+if [ $# -eq 0 ]; then set -- tests/unit; fi
+exec .venv/bin/python -m pytest -q "$@"

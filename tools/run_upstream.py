@@ -1,0 +1,40 @@
+"""Run an upstream Megatron-LM entry script unmodified against the megatron-core wheel.
+
+    torchrun ... tools/run_upstream.py /path/to/Megatron-LM/pretrain_gpt.py <megatron flags>
+
+This is the "unpatched upstream" baseline of the GPU tests and ``tools/bench.py``: only the
+registry's ``compat`` patches (what any script needs to run from the wheel at all, e.g. the
+dataset helpers build) and ``observe`` patches (``MEGATRON_PATCHSET_METRICS`` recording) are
+applied; no fork feature is. The script's folder goes first on ``sys.path`` so that its sibling
+modules (``gpt_builders.py``, ``model_provider.py``) import as they do in a Megatron-LM
+checkout. Megatron-LM's code is not part of this repository: point this at a checkout whose
+release matches megatron-core 0.19.2 (branch ``core_r0.19.0``).
+"""
+
+import os
+import runpy
+import sys
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or not sys.argv[1].endswith(".py"):
+        sys.exit("usage: run_upstream.py /path/to/Megatron-LM/<script>.py [megatron flags]")
+    script = os.path.abspath(sys.argv[1])
+    if not os.path.exists(script):
+        sys.exit(f"run_upstream.py: {script} does not exist")
+    sys.argv = [script] + sys.argv[2:]
+    sys.path.insert(0, os.path.dirname(script))
+
+    from megatron.patchset import patches, training
+
+    applied = patches.apply_patches(
+        [p for p in patches.registered() if p.kind != "feature" and p.wanted(None)]
+    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"> run_upstream: {script} with patches: {', '.join(applied) or 'none'}", flush=True)
+    runpy.run_path(script, run_name="__main__")
+    training.write_summary()
+
+
+if __name__ == "__main__":
+    main()
