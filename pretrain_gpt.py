@@ -79,6 +79,17 @@ _BATCH_FIELDS = ("tokens", "labels", "loss_mask", "attention_mask", "position_id
 # ---------------------------------------------------------------------------------------
 
 
+_TRANSFORMER_CONFIG = None
+
+
+def _transformer_config():
+    """The run's TransformerConfig, built once (get_batch runs for every micro-batch)."""
+    global _TRANSFORMER_CONFIG
+    if _TRANSFORMER_CONFIG is None:
+        _TRANSFORMER_CONFIG = core_transformer_config_from_args(get_args())
+    return _TRANSFORMER_CONFIG
+
+
 def _mtp_here(config, vp_stage):
     return mtp_on_this_rank(
         layout=config.pipeline_model_parallel_layout,
@@ -96,8 +107,7 @@ def get_batch(data_iterator, vp_stage=None):
     embedding nor the loss (nor MTP layers) need no data and get Nones.
     """
     args = get_args()
-    config = core_transformer_config_from_args(args)
-    mtp_here = _mtp_here(config, vp_stage)
+    mtp_here = _mtp_here(_transformer_config(), vp_stage)
     if not is_first_or_last_pipeline_stage(vp_stage) and not mtp_here:
         return (None,) * len(_BATCH_FIELDS)
 
@@ -170,8 +180,7 @@ def is_dataset_built_on_rank(vp_stage=None):
     """Datasets are read by TP rank 0 of the stages that consume tokens or labels."""
     if mpu.get_tensor_model_parallel_rank() != 0:
         return False
-    config = core_transformer_config_from_args(get_args())
-    return is_first_or_last_pipeline_stage(vp_stage) or _mtp_here(config, vp_stage)
+    return is_first_or_last_pipeline_stage(vp_stage) or _mtp_here(_transformer_config(), vp_stage)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -265,7 +274,7 @@ def get_embedding_ranks(pp_ranks):
     if len(pp_ranks) > 1:
         if not args.untie_embeddings_and_output_weights:
             ranks.add(pp_ranks[-1])
-        ranks.update(get_mtp_ranks(pp_ranks, core_transformer_config_from_args(args)))
+        ranks.update(get_mtp_ranks(pp_ranks, _transformer_config()))
     return sorted(ranks)
 
 
@@ -285,6 +294,7 @@ def model_config_from_args(args):
     """
     transformer_config = core_transformer_config_from_args(args)
     ps_args.validate(args, "combination", config=transformer_config)
+    models.configure_transformer_config(args, transformer_config)
     model_config = gpt_config_from_args(args, config=transformer_config)
     model_config.pre_wrap_hooks.extend(models.pre_wrap_hooks(args))
     return model_config

@@ -13,6 +13,15 @@ from typing import Callable
 ModelHook = Callable[[list], list]
 
 
+def configure_transformer_config(args: argparse.Namespace, config) -> None:
+    """Copy the fork's model-level options from the flags onto megatron's TransformerConfig.
+
+    Fork options that upstream code paths read from the config (for instance the schedule
+    plan) live there as extra attributes; code reading them uses ``getattr`` with the upstream
+    behaviour as default, so a config without them behaves exactly as upstream.
+    """
+
+
 def pre_wrap_hooks(args: argparse.Namespace) -> list[ModelHook]:
     """Hooks the parsed flags ask for, in the order they must run."""
     hooks: list[ModelHook] = []
