@@ -72,9 +72,9 @@ def device_facts() -> dict:
     except ImportError:
         pass
     try:
-        from megatron.core import package_info
+        from megatron.patchset.patches import installed_mcore_version
 
-        facts["megatron_core"] = package_info.__version__
+        facts["megatron_core"] = installed_mcore_version()
     except ImportError:
         pass
     try:

@@ -190,9 +190,13 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 
 
 def installed_mcore_version() -> str:
+    """megatron-core's release version. (``package_info.__version__`` gets ``+<git hash>``
+    appended when the installed package sits inside any git work tree, e.g. a .venv in a
+    checkout, so the release is read from ``VERSION`` instead.)"""
     from megatron.core import package_info
 
-    return package_info.__version__
+    major, minor, patch, pre = package_info.VERSION[:4]
+    return f"{major}.{minor}.{patch}{pre}"
 
 
 def installed_te_version() -> Optional[str]:

@@ -37,3 +37,18 @@ def tiny_argv(*extra):
 @pytest.fixture
 def tiny():
     return tiny_argv
+
+
+def validated(argv, world_size=1):
+    """Parsed and validated by megatron's validate_args (derived values filled in), checked as
+    on the target GPU machine (the dry-run's emulation), with megatron's printout silenced."""
+    import contextlib
+    import io
+
+    from megatron.patchset.dry_run import target_device
+    from megatron.training.arguments import validate_args
+
+    args = parse(argv, world_size)
+    with target_device(), contextlib.redirect_stdout(io.StringIO()):
+        validate_args(args, {})
+    return args

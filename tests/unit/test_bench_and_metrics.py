@@ -1,0 +1,112 @@
+"""tools/bench.py's reduction of metrics to its table, flag files, and the metrics patch."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megatron.patchset import argsfile, patches
+from tests.unit.conftest import ROOT, TINY, parse, validated
+
+spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "tools", "bench.py"))
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def records(times, losses, flops=2.0e15, tokens=16384, world=2):
+    out = []
+    for i, (t, loss) in enumerate(zip(times, losses), start=1):
+        out.append({"iteration": i, "time_s": t, "losses": {"lm loss": loss}, "grad_norm": 1.0,
+                    "flops": flops, "tokens": tokens, "world_size": world})
+    out.append({"summary": {"max_allocated_gib": 10.5, "max_reserved_gib": 12.0}})
+    return out
+
+
+def test_summarize_uses_median_after_warmup_and_megatron_flops():
+    times = [None, 9.0, 9.0, 0.5, 0.4, 0.6]  # the first iterations are slow and excluded
+    res = bench.summarize(records(times, [9, 8, 7, 6, 5, 4]), warmup=3, peak_tflops=800.0)
+    assert res["timed_iterations"] == 3
+    assert res["step_ms"] == pytest.approx(500.0)
+    assert res["tokens_per_s"] == pytest.approx(16384 / 0.5)
+    assert res["tflops_per_gpu"] == pytest.approx(2.0e15 / 0.5 / 2 / 1e12)
+    assert res["mfu"] == pytest.approx(res["tflops_per_gpu"] / 800.0)
+    assert res["final_loss"] == 4 and res["peak_reserved_gib"] == 12.0
+
+
+def test_summarize_refuses_when_nothing_is_timed():
+    with pytest.raises(ValueError, match="no timed iterations"):
+        bench.summarize(records([None, 1.0], [1, 1]), warmup=5, peak_tflops=None)
+
+
+def test_table_has_speedup_against_first_variant():
+    rows = [{"variant": "upstream", "step_ms": 200.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0,
+             "mfu": 0.1, "peak_allocated_gib": 1.0, "peak_reserved_gib": 2.0, "final_loss": 3.0},
+            {"variant": "fast", "step_ms": 100.0, "tokens_per_s": 2.0, "tflops_per_gpu": 2.0,
+             "mfu": 0.2, "peak_allocated_gib": 1.0, "peak_reserved_gib": 2.0, "final_loss": 3.0},
+            {"variant": "broken", "error": "exit code 1"}]
+    table = bench.format_table(rows, 790.0)
+    assert "MFU@790" in table and "2.00x" in table and "1.00x" in table and "FAILED" in table
+
+
+def test_variant_and_assignment_parsing():
+    assert bench.parse_variant("upstream") == ("upstream", [])
+    assert bench.parse_variant("g=--cuda-graph-impl transformer_engine") == (
+        "g", ["--cuda-graph-impl", "transformer_engine"])
+    assert bench.parse_assignment("micro-batch-size=1,2,4") == ("--micro-batch-size", ["1", "2", "4"])
+
+
+def test_default_peak_by_device():
+    assert bench.default_peak("NVIDIA H200") == 790.0
+    assert bench.default_peak("NVIDIA H100 80GB HBM3") == 790.0
+    assert bench.default_peak("Some CPU") is None
+
+
+def test_argsfile_read_override_remove(tmp_path):
+    path = tmp_path / "c.args"
+    path.write_text("# comment\n--a 1 --flag\n--b 2  # trailing\n")
+    argv = argsfile.read(str(path))
+    assert argv == ["--a", "1", "--flag", "--b", "2"]
+    assert argsfile.override(argv, "--a", "3") == ["--flag", "--b", "2", "--a", "3"]
+    assert argsfile.remove(argv, "--flag") == ["--a", "1", "--b", "2"]
+    assert argsfile.remove(argv, "--b") == ["--a", "1", "--flag"]
+
+
+def test_example_configs_parse_with_megatron():
+    for name in ("tiny_moe.args", "reference_moe.args"):
+        args = parse(argsfile.read(os.path.join(ROOT, "examples", "configs", name)))
+        assert args.num_experts and args.mock_data
+
+
+def test_metrics_patch_records_exact_values(tmp_path, monkeypatch):
+    """The observe patch wraps training_log, calls the original, and appends exact values."""
+    import megatron.training
+    import megatron.core.num_microbatches_calculator as nmc
+    import torch
+    from megatron.patchset import training as ps_training
+
+    path = tmp_path / "m.jsonl"
+    monkeypatch.setenv("MEGATRON_PATCHSET_METRICS", str(path))
+    args = validated(argsfile.read(TINY))
+    args.padded_vocab_size = 4096
+    monkeypatch.setattr(megatron.training, "get_args", lambda: args)
+    monkeypatch.setattr(nmc, "get_current_global_batch_size", lambda: 16)
+    monkeypatch.setattr(ps_training, "_RECORDER", None)
+
+    calls = []
+
+    def fake_training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kw):
+        calls.append(iteration)
+        return "flag"
+
+    wrapped = patches.get("training.metrics_jsonl").factory(fake_training_log)
+    loss = torch.tensor(2.718281828, dtype=torch.float32)
+    for it in (1, 2):
+        assert wrapped({"lm loss": loss}, {}, 1e-3, it, 1.0, True, 0, 0.123456789, None, None) == "flag"
+    assert calls == [1, 2]
+    lines = [json.loads(l) for l in path.read_text().splitlines()]
+    assert [l["iteration"] for l in lines] == [1, 2]
+    assert lines[0]["losses"]["lm loss"] == loss.item()  # full precision, not the log's 6 digits
+    assert lines[0]["grad_norm"] == 0.123456789
+    assert lines[0]["time_s"] is None and lines[1]["time_s"] >= 0
+    assert lines[0]["tokens"] == 16 * 1024 and lines[0]["flops"] > 0
