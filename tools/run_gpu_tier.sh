@@ -11,8 +11,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 REPORT_DIR=${REPORT_DIR:-gpu-report}
 mkdir -p "$REPORT_DIR/runs"
+REPORT_DIR=$(cd "$REPORT_DIR" && pwd)
 [ $# -eq 0 ] && set -- tests/gpu
-export PATCHSET_GPU_REPORT="$PWD/$REPORT_DIR/runs" PYTHONUNBUFFERED=1
+export PATCHSET_GPU_REPORT="$REPORT_DIR/runs" PYTHONUNBUFFERED=1
 "$PYTHON" -m pytest -v -s -rs -p no:cacheprovider "$@" 2>&1 | tee "$REPORT_DIR/pytest.log"
 rc=${PIPESTATUS[0]}
 "$PYTHON" tools/gpu_report.py "$REPORT_DIR/runs" | tee "$REPORT_DIR/summary.txt"

@@ -74,7 +74,7 @@ class Run:
     def step_ms(self, warmup=5):
         import statistics
 
-        times = [r["time_s"] for r in self.iterations if r["iteration"] > warmup and r["time_s"]]
+        times = [r["time_s"] for r in self.iterations if r["iteration"] > warmup and r.get("time_s")]
         return 1e3 * statistics.median(times) if times else None
 
     @property

@@ -42,7 +42,7 @@ def test_fork_matches_unpatched_upstream(tmp_path):
     if not os.path.exists(UPSTREAM_SCRIPT):
         pytest.skip(f"Megatron-LM's pretrain_gpt.py not found at {UPSTREAM_SCRIPT} "
                     f"(set MEGATRON_LM_PRETRAIN_GPT)")
-    argv = tiny_argv("--train-iters", "20")
+    argv = tiny_argv("--train-iters", "20", "--deterministic-mode")
     fork = launch(tmp_path, "tiny_fork", 1, argv)
     upstream = launch(tmp_path, "tiny_upstream", 1, argv,
                       entry=[os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
