@@ -123,6 +123,11 @@ def required_packages(args: argparse.Namespace) -> list[tuple[str, str]]:
     }
     if args.tokenizer_type in tokenizer_pkgs:
         need.append((tokenizer_pkgs[args.tokenizer_type], f"--tokenizer-type {args.tokenizer_type}"))
+    if getattr(args, "gradient_accumulation_fusion", False):
+        # megatron's own ColumnParallelLinear (the output layer, also with the TE spec) then
+        # needs apex's fused_weight_gradient_mlp_cuda extension.
+        need.append(("apex (fused_weight_gradient_mlp_cuda extension)",
+                     "gradient accumulation fusion, on by default; or pass --no-gradient-accumulation-fusion"))
     if getattr(args, "wandb_project", None):
         need.append(("wandb", "--wandb-project"))
     if getattr(args, "tensorboard_dir", None):
@@ -135,6 +140,8 @@ def required_packages(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _import_name(package: str) -> Optional[str]:
     base = package.split("[")[0].split("=")[0].split(" ")[0].strip()
+    if base == "apex":
+        return "fused_weight_gradient_mlp_cuda"
     return {
         "megatron-core": "megatron.core",
         "transformer-engine": "transformer_engine",
@@ -212,6 +219,10 @@ def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
         mtp_num_layers=None,
         # the dispatcher holds no parameters; all-gather's needs no CUDA stream at build time
         moe_token_dispatcher_type="allgather",
+        # schedule options that require expert parallelism, which the unsharded build drops
+        overlap_moe_expert_parallel_comm=False,
+        delay_wgrad_compute=False,
+        ep_overlap_early_attn_memory_release=False,
     )
     torch.distributed.init_process_group(
         "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1

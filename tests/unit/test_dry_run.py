@@ -70,3 +70,23 @@ def test_reference_config_fits_its_stated_budget():
     assert code == 0, out + err
     assert "128 experts (top-8)" in out
     assert "parameters: " in out
+
+
+def test_gradient_accumulation_fusion_lists_apex():
+    from megatron.patchset import argsfile
+
+    argv = argsfile.remove(argsfile.read(TINY), "--no-gradient-accumulation-fusion")
+    env = dict(os.environ, WORLD_SIZE="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--dry-run", *argv],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0
+    assert "apex (fused_weight_gradient_mlp_cuda extension)" in proc.stdout
+    code, out, _ = dry_run(TINY, world_size=1)
+    assert "apex" not in out
+
+
+def test_expert_overlap_flags_still_get_a_parameter_count():
+    code, out, _ = dry_run(TINY, "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
+                           "--delay-wgrad-compute", world_size=2)
+    assert code == 0, out
+    assert "parameters: 15,345,920 in total" in out

@@ -131,3 +131,21 @@ def test_flags_have_help_and_kebab_case():
             if option.startswith("--") and option != "--help":
                 assert option == option.lower() and "_" not in option, option
                 assert action.help and len(action.help) > 20, option
+
+
+def test_eval_interval_set():
+    from megatron.patchset import argsfile
+
+    argv = argsfile.remove(tiny_argv(), "--eval-interval")
+    assert "--eval-interval is not set" in failures(argv, 1)["eval-interval-set"]
+    assert "eval-interval-set" not in failures(tiny_argv(), 1)
+
+
+def test_lr_warmup_shorter_than_decay():
+    got = failures(tiny_argv("--train-iters", "5", "--lr-warmup-iters", "5"), 1)
+    assert "--lr-warmup-iters 5" in got["lr-warmup-shorter-than-decay"]
+    assert "--train-iters" in got["lr-warmup-shorter-than-decay"]
+    got = failures(tiny_argv("--lr-decay-iters", "4"), 1)
+    assert "--lr-decay-iters" in got["lr-warmup-shorter-than-decay"]
+    assert "lr-warmup-shorter-than-decay" not in failures(tiny_argv("--lr-warmup-fraction", "0.1",
+                                                                     "--lr-warmup-iters", "0"), 1)
