@@ -20,6 +20,13 @@ def configure_transformer_config(args: argparse.Namespace, config) -> None:
     plan) live there as extra attributes; code reading them uses ``getattr`` with the upstream
     behaviour as default, so a config without them behaves exactly as upstream.
     """
+    from megatron.patchset import schedule_plan
+
+    # The fine-grained schedule plan's P2P-overlap options (--overlap-p2p-*).
+    if all(hasattr(args, name) for name in schedule_plan.DEFAULTS):
+        schedule_plan.set_p2p_overlap_options(
+            config, **{name: getattr(args, name) for name in schedule_plan.DEFAULTS}
+        )
 
 
 def pre_wrap_hooks(args: argparse.Namespace) -> list[ModelHook]:

@@ -1,0 +1,252 @@
+"""torchrun harness: megatron's fine-grained 1F1B schedule with upstream's model and with the
+fork's ``P2POverlapGPTModel``, in one process, on identical seeds and batches.
+
+Usage (what tests/gpu/test_p2p_overlap.py runs)::
+
+    P2P_OVERLAP_MODES=upstream,upstream,fork:1,fork:2,fork:all:tl:comm \\
+    MEGATRON_PATCHSET_METRICS=out.jsonl \\
+    torchrun --nproc-per-node 2 tests/gpu/p2p_overlap_harness.py <megatron flags>
+
+The flags are a pretrain_gpt.py command line that enables ``--overlap-moe-expert-parallel-comm``
+(and normally ``--delay-wgrad-compute``). megatron is initialized once; then, for each mode in
+``P2P_OVERLAP_MODES``, the model and optimizer are built afresh through megatron's
+``setup_model_and_optimizer`` (reseeded identically) and trained with megatron's
+``train_step`` and pretrain_gpt.py's ``forward_step`` on the same cached batches. Modes:
+
+``upstream``
+    megatron-core's GPTModel and its ``TransformerModelChunkSchedulePlan``;
+``fork:N[:tl][:comm]``
+    the fork's patch installed while the model is built (so megatron's builder instantiates
+    ``P2POverlapGPTModel``), with ``overlap_p2p_wgrad_delayed_layer_number`` N (``all``: the
+    layers of the largest model chunk), ``tl`` = ``overlap_p2p_with_transformer_layer_wgrad``,
+    ``comm`` = ``overlap_p2p_backward_on_comm_stream``.
+
+The options are set on the model's TransformerConfig directly: the command-line rules ask for
+an interleaved pipeline, which a run without pipeline parallelism does not have (there the
+schedule passes no P2P callbacks; N then only moves when the deferred weight-gradient GEMMs are
+enqueued, which must not change any number).
+
+Output: one JSON line per mode and iteration on the last rank, in ``MEGATRON_PATCHSET_METRICS``:
+``{"mode", "iteration", "losses": {"lm loss"}, "grad_norm", "skipped", "model_class",
+"plan_runs", "options"}``; a repeated mode is labelled ``mode#2``, ``mode#3``...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import sys
+from typing import Optional
+
+DEFAULT_MODES = "upstream,fork:1,fork:2,fork:all:tl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    label: str
+    fork: bool
+    delayed_layers: Optional[str] = None  # "1", "2", ..., or "all"
+    transformer_layer_wgrad: bool = False
+    backward_on_comm_stream: bool = False
+
+
+def parse_modes(text: str) -> list[Mode]:
+    modes, seen = [], {}
+    for raw in (part.strip() for part in text.split(",")):
+        if not raw:
+            continue
+        seen[raw] = seen.get(raw, 0) + 1
+        label = raw if seen[raw] == 1 else f"{raw}#{seen[raw]}"
+        if raw == "upstream":
+            modes.append(Mode(label, fork=False))
+            continue
+        kind, *fields = raw.split(":")
+        if kind != "fork" or not fields or not (fields[0] == "all" or fields[0].isdigit()):
+            raise SystemExit(f"P2P_OVERLAP_MODES: cannot read mode {raw!r} (upstream or fork:N[:tl][:comm])")
+        unknown = set(fields[1:]) - {"tl", "comm"}
+        if unknown:
+            raise SystemExit(f"P2P_OVERLAP_MODES: unknown option(s) {sorted(unknown)} in {raw!r}")
+        modes.append(Mode(label, True, fields[0], "tl" in fields[1:], "comm" in fields[1:]))
+    return modes
+
+
+@contextlib.contextmanager
+def counting_runs(plan_class, counter: dict):
+    """Count calls of ``plan_class.run`` (the chunk plan the schedule dispatches to)."""
+    original = plan_class.__dict__["run"]
+    inner = original.__func__
+
+    def run(*args, **kwargs):
+        counter[plan_class.__name__] = counter.get(plan_class.__name__, 0) + 1
+        return inner(*args, **kwargs)
+
+    plan_class.run = staticmethod(run)
+    try:
+        yield
+    finally:
+        plan_class.run = original
+
+
+def initialize(argv: list[str]):
+    """pretrain_gpt.py's start-up up to megatron's initialization (no fork flag is set)."""
+    import pretrain_gpt
+    from megatron.patchset import arguments as ps_args
+    from megatron.patchset import patches
+    from megatron.training.arguments import parse_and_validate_args, parse_args
+    from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
+
+    sys.argv = [sys.argv[0], *argv]
+    ps_args.validate(parse_args(ps_args.add_patchset_args), "layout")
+    args = parse_and_validate_args(extra_args_provider=ps_args.add_patchset_args)
+    patches.apply(args)  # compat and observe patches only: the model patch is per mode
+    initialize_megatron(get_embedding_ranks=pretrain_gpt.get_embedding_ranks)
+    set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
+    return args
+
+
+def reseed(args) -> None:
+    """The seeding initialize_megatron did (python, numpy, torch and megatron's CUDA RNG tracker)."""
+    from megatron.training.initialize import _set_random_seed
+
+    graphable = args.cuda_graph_impl != "none"
+    _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker,
+                     args.inference_rng_tracker, use_cudagraphable_rng=graphable)
+
+
+def build(args, mode: Mode):
+    """Model chunks, optimizer and scheduler for ``mode``, through megatron's builder."""
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.patchset import patches
+    from megatron.patchset import schedule_plan as sp
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.training import setup_model_and_optimizer
+
+    reseed(args)
+    model_config = pretrain_gpt.model_config_from_args(args)
+    options = {}
+    if mode.fork:
+        transformer = model_config.transformer
+        number = mode.delayed_layers
+        options = dict(
+            overlap_p2p_backward_on_comm_stream=mode.backward_on_comm_stream,
+            overlap_p2p_wgrad_delayed_layer_number=(
+                max(sp.chunk_layer_counts(transformer)) if number == "all" else int(number)
+            ),
+            overlap_p2p_with_transformer_layer_wgrad=mode.transformer_layer_wgrad,
+        )
+        sp.set_p2p_overlap_options(transformer, **options)
+    container = pretrain_cfg_container_from_args(args, model_config)
+    applied = patches.apply_patches([patches.get(sp.PATCH_NAME)]) if mode.fork else []
+    try:
+        model, optimizer, scheduler = setup_model_and_optimizer(
+            ModelType.encoder_or_decoder,
+            cfg_container=container,
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        )
+    finally:
+        patches.revert(applied)
+    return model, optimizer, scheduler, options
+
+
+def cached_batches(args, count: int):
+    """``count`` micro-batches from megatron's data iterators, read once for every mode."""
+    import pretrain_gpt
+    from megatron.training.training import build_train_valid_test_data_iterators
+
+    args.iteration = getattr(args, "iteration", 0)  # normally set by setup_model_and_optimizer
+    train_iterator, _, _ = build_train_valid_test_data_iterators(
+        pretrain_gpt.train_valid_test_datasets_provider
+    )
+    if train_iterator is None:  # ranks that read no data (tensor-parallel ranks > 0)
+        return None
+    return [next(train_iterator) for _ in range(count)]
+
+
+def train(args, mode: Mode, batches, iterations: int, write) -> None:
+    import torch
+    import pretrain_gpt
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+    from megatron.core.utils import get_model_config, unwrap_model
+    from megatron.patchset import schedule_plan as sp
+    from megatron.training import get_timers
+    from megatron.training.training import train_step
+
+    model, optimizer, scheduler, options = build(args, mode)
+    model_class = type(unwrap_model(model[0]))
+    expected = sp.P2POverlapGPTModel if mode.fork else GPTModel
+    if model_class is not expected:
+        raise RuntimeError(f"mode {mode.label}: megatron built {model_class.__name__}, expected {expected.__name__}")
+
+    # What megatron's train() sets up before its loop.
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = get_timers()
+    if config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = finalize_model_grads
+    for chunk in model:
+        chunk.train()
+    forward_backward_func = get_forward_backward_func()
+    data = RerunDataIterator(iter(batches)) if batches is not None else None
+
+    plan_class = sp.P2POverlapChunkSchedulePlan if mode.fork else TransformerModelChunkSchedulePlan
+    runs: dict = {}
+    with counting_runs(plan_class, runs):
+        for iteration in range(iterations):
+            args.curr_iteration = iteration
+            result = train_step(
+                pretrain_gpt.forward_step, data, model, optimizer, scheduler, config,
+                forward_backward_func, iteration=iteration,
+            )
+            loss_dict, skipped, grad_norm = result[0], result[1], result[5]
+            clear_aux_losses_tracker()
+            write({
+                "mode": mode.label,
+                "iteration": iteration + 1,
+                "losses": {key: float(value) for key, value in loss_dict.items()},
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "skipped": int(skipped),
+                "model_class": model_class.__name__,
+                "plan_runs": dict(runs),
+                "options": options,
+            })
+    del model, optimizer, scheduler, config
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    import torch
+    from megatron.patchset import training as ps_training
+    from megatron.training import print_rank_0
+
+    modes = parse_modes(os.environ.get("P2P_OVERLAP_MODES", DEFAULT_MODES))
+    args = initialize(sys.argv[1:])
+    recorder = ps_training.recorder()
+    is_writer = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+    def write(record):
+        if recorder is not None and is_writer:
+            recorder.write(record)
+
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    # Read before any model is built, so that every mode starts from the same random state.
+    batches = cached_batches(args, args.train_iters * get_num_microbatches())
+    for mode in modes:
+        print_rank_0(f"> p2p-overlap harness: mode {mode.label}")
+        train(args, mode, batches, args.train_iters, write)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
