@@ -305,7 +305,7 @@ def _check_runtime(args) -> None:
     missing = [
         f"{package} (needed for {why})"
         for package, why in dry_run.required_packages(args)
-        if not dry_run._installed(package)
+        if not dry_run.installed(package)
     ]
     if missing:
         sys.exit("megatron-patchset: missing packages: " + "; ".join(missing))

@@ -149,7 +149,8 @@ def _import_name(package: str) -> Optional[str]:
     }.get(base, base.replace("-", "_"))
 
 
-def _installed(package: str) -> bool:
+def installed(package: str) -> bool:
+    """Whether a package of :func:`required_packages` imports on this machine."""
     name = _import_name(package)
     try:
         return importlib.util.find_spec(name) is not None
@@ -350,7 +351,7 @@ def run(
                 say(f"theoretical memory estimate unavailable: {type(exc).__name__}: {exc}")
             say("packages the run needs:")
             for package, why in required_packages(args):
-                here = "installed here" if _installed(package) else "not installed here"
+                here = "installed here" if installed(package) else "not installed here"
                 say(f"  {package:<52} ({why}; {here})")
             say("dry-run: OK")
             return 0

@@ -119,7 +119,6 @@ def launch(tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900):
 
 
 def tiny_argv(*extra):
-    sys.path.insert(0, ROOT)
     from megatron.patchset import argsfile
 
     return argsfile.read(TINY) + list(extra)
