@@ -323,8 +323,9 @@ def run(
             say("fork features enabled: " + (", ".join(f.name for f in features) or "none"))
             wanted = patches.wanted(args)
             say(f"patches that would apply ({len(wanted)}):")
+            width = max(len(p.name) for p in wanted)
             for p in wanted:
-                say(f"  {p.name:<34} {p.target}")
+                say(f"  {p.name:<{width}} {p.target}")
             say(f"model: {type(config).__name__}, {args.num_layers} layers, hidden {args.hidden_size}, "
                 f"{args.num_experts or 0} experts (top-{args.moe_router_topk if args.num_experts else 0}), "
                 f"params {str(config.params_dtype).replace('torch.', '')}")

@@ -43,6 +43,8 @@ AREA_MODULES = (
     "megatron.patchset.datasets",
     "megatron.patchset.training",
     "megatron.patchset.schedule_plan",
+    "megatron.patchset.megatron_fsdp",
+    "megatron.patchset.cuda_graphs",
 )
 
 

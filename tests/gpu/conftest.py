@@ -58,6 +58,11 @@ class Run:
 
     def __init__(self, name, records, log, seconds):
         self.name, self.records, self.log, self.seconds = name, records, log, seconds
+        self.returncode = 0
+
+    def log_text(self):
+        with open(self.log, errors="replace") as handle:
+            return handle.read()
 
     @property
     def iterations(self):
@@ -82,40 +87,79 @@ class Run:
         return next((r["summary"] for r in self.records if "summary" in r), {})
 
 
-def launch(tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900):
-    """torchrun ``entry`` (default pretrain_gpt.py) on ``nproc`` GPUs; returns a :class:`Run`."""
-    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    log = os.path.join(str(tmp_path), f"{name}.log")
-    environ = dict(os.environ)
-    environ.update(env or {})
-    environ["MEGATRON_PATCHSET_METRICS"] = metrics
-    environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    environ["PYTHONPATH"] = ROOT + os.pathsep + environ.get("PYTHONPATH", "")
-    entry = entry or [os.path.join(ROOT, "pretrain_gpt.py")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", *entry, *argv]
-    started = time.time()
-    with open(log, "w") as handle:
-        handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
-        handle.flush()
-        proc = subprocess.run(cmd, env=environ, stdout=handle, stderr=subprocess.STDOUT,
-                              timeout=timeout, cwd=ROOT)
-    seconds = time.time() - started
-    if proc.returncode != 0 or not os.path.exists(metrics):
-        with open(log, errors="replace") as handle:
-            tail = "".join(handle.readlines()[-40:])
-        pytest.fail(f"{name}: exit code {proc.returncode}; last lines of {log}:\n{tail}")
-    with open(metrics) as handle:
-        records = [json.loads(line) for line in handle if line.strip()]
-    run = Run(name, records, log, seconds)
-    report_dir = os.environ.get("PATCHSET_GPU_REPORT")
-    if report_dir:
-        os.makedirs(report_dir, exist_ok=True)
-        with open(os.path.join(report_dir, f"{name}.json"), "w") as handle:
-            json.dump({"name": name, "nproc": nproc, "argv": argv, "env": env or {},
-                       "seconds": seconds, "losses": run.losses, "grad_norms": run.grad_norms,
-                       "step_ms": run.step_ms(), "summary": run.summary}, handle)
-    return run
+class _Job:
+    """One torchrun launch in progress."""
+
+    def __init__(self, tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900, check=True):
+        self.name, self.nproc, self.argv, self.env = name, nproc, argv, env or {}
+        self.timeout, self.check = timeout, check
+        self.metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
+        self.log = os.path.join(str(tmp_path), f"{name}.log")
+        environ = dict(os.environ)
+        environ.update(self.env)
+        environ["MEGATRON_PATCHSET_METRICS"] = self.metrics
+        environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        environ["PYTHONPATH"] = ROOT + os.pathsep + environ.get("PYTHONPATH", "")
+        entry = entry or [os.path.join(ROOT, "pretrain_gpt.py")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", *entry, *argv]
+        self.started = time.time()
+        self.handle = open(self.log, "w")
+        self.handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+        self.handle.flush()
+        self.proc = subprocess.Popen(cmd, env=environ, stdout=self.handle, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def finish(self):
+        try:
+            returncode = self.proc.wait(timeout=max(1, self.timeout - (time.time() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            returncode = self.proc.wait()
+        self.handle.close()
+        seconds = time.time() - self.started
+        if (returncode != 0 or not os.path.exists(self.metrics)) and self.check:
+            with open(self.log, errors="replace") as handle:
+                tail = "".join(handle.readlines()[-40:])
+            pytest.fail(f"{self.name}: exit code {returncode}; last lines of {self.log}:\n{tail}")
+        records = []
+        if os.path.exists(self.metrics):
+            with open(self.metrics) as handle:
+                records = [json.loads(line) for line in handle if line.strip()]
+        run = Run(self.name, records, self.log, seconds)
+        run.returncode = returncode
+        report_dir = os.environ.get("PATCHSET_GPU_REPORT")
+        if report_dir:
+            os.makedirs(report_dir, exist_ok=True)
+            with open(os.path.join(report_dir, f"{self.name}.json"), "w") as handle:
+                json.dump({"name": self.name, "nproc": self.nproc, "argv": self.argv, "env": self.env,
+                           "seconds": seconds, "losses": run.losses, "grad_norms": run.grad_norms,
+                           "step_ms": run.step_ms(), "summary": run.summary}, handle)
+        return run
+
+
+def launch(tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900, check=True):
+    """torchrun ``entry`` (default pretrain_gpt.py) on ``nproc`` GPUs; returns a :class:`Run`.
+    With ``check=False`` a failed run is returned too (``run.returncode``, ``run.log``) instead
+    of failing the test."""
+    return _Job(tmp_path, name, nproc, argv, env=env, entry=entry, timeout=timeout, check=check).finish()
+
+
+def launch_many(jobs, *, timeout=900):
+    """Start several launches at once and wait for all; returns ``{name: Run}``.
+
+    ``jobs`` are dicts of :func:`launch`'s arguments (``tmp_path``, ``name``, ``nproc``, ``argv``,
+    optional ``env``, ``entry``, ``check``). The runs share the GPUs (each process is its own
+    CUDA context, time-sliced by the driver): use it for numerics, never for timings."""
+    started = [_Job(timeout=timeout, **job) for job in jobs]
+    runs, failures = {}, []
+    for job in started:  # wait for every job before reporting a failure
+        try:
+            runs[job.name] = job.finish()
+        except pytest.fail.Exception as exc:
+            failures.append(str(exc))
+    if failures:
+        pytest.fail("\n\n".join(failures))
+    return runs
 
 
 def tiny_argv(*extra):
