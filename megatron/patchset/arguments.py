@@ -156,6 +156,41 @@ def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     # --- CUDA graphs + Megatron-FSDP (cuda_graphs.py, megatron_fsdp.py) ---
     # --- end CUDA graphs + Megatron-FSDP ---
     # --- per-layer torch.compile (compile.py) ---
+    from megatron.patchset import compile as _compile_flags
+
+    group.add_argument(
+        "--compile-transformer-layers",
+        action="store_true",
+        default=False,
+        help="torch.compile each TransformerLayer's forward (per layer, in place, before "
+        "DDP/Megatron-FSDP wrapping, so their hooks stay outside the compiled code). The MoE "
+        "token dispatch, expert computation and combine run eagerly (compile-disabled patches). "
+        "After the warm-up iterations a recompile of a compiled layer is an error; dynamo's "
+        "graph and graph-break counts are logged.",
+    )
+    group.add_argument(
+        "--compile-transformer-layers-mode",
+        choices=_compile_flags.MODES,
+        default=_compile_flags.DEFAULTS["compile_transformer_layers_mode"],
+        help="torch.compile mode for the layers (inductor backend). The CUDA-graph modes "
+        "(reduce-overhead, max-autotune) are refused in this version; use --cuda-graph-impl "
+        "without compilation for CUDA graphs.",
+    )
+    group.add_argument(
+        "--compile-transformer-layers-backend",
+        choices=_compile_flags.BACKENDS,
+        default=_compile_flags.DEFAULTS["compile_transformer_layers_backend"],
+        help="torch.compile backend: inductor (generated kernels), or aot_eager / eager to "
+        "debug graph capture without code generation.",
+    )
+    group.add_argument(
+        "--compile-transformer-layers-warmup-iters",
+        type=int,
+        default=_compile_flags.DEFAULTS["compile_transformer_layers_warmup_iters"],
+        help="Training iterations in which the compiled layers may compile and recompile "
+        "(first-call and one-time guards); from the next one on a recompile of a compiled "
+        "layer raises an error naming the failed guard.",
+    )
     # --- end per-layer torch.compile ---
     # --- flex token dispatch backends (token_dispatcher.py) ---
     # --- end flex token dispatch backends ---
@@ -741,6 +776,126 @@ FEATURES.append(
 
 # ---------------------------------------------------------------------------------------
 # --- per-layer torch.compile (compile.py) ---
+# --compile-transformer-layers compiles each TransformerLayer's forward. Refused: combinations
+# where the compiled forward would never run (the fine-grained EP-overlap schedule calls the
+# layer's parts directly), would be captured by megatron's CUDA graphs, or would have every
+# submodule's hook or checkpoint boundary traced inside it (a graph break at each).
+# ---------------------------------------------------------------------------------------
+
+from megatron.patchset import compile as _compile  # noqa: E402  (cheap: no megatron import)
+
+
+def _compile_given(args: argparse.Namespace) -> list[str]:
+    """The compile sub-flags set away from their defaults, as they were typed."""
+    given = []
+    for name, default in _compile.DEFAULTS.items():
+        value = getattr(args, name, default)
+        if name != "compile_transformer_layers" and value != default:
+            given.append(f"--{name.replace('_', '-')} {value}")
+    return given
+
+
+@rule("compile-transformer-layers-options", phase="layout", flags=_compile.FLAGS)
+def _compile_options(args):
+    """Mode, backend and warm-up: only with the flag, no inductor CUDA-graph modes."""
+    given = _compile_given(args)
+    if not _compile.requested(args):
+        return f"{', '.join(given)} only act with {_compile.FLAG}: add it or drop them." if given else None
+    problems = []
+    mode, backend = args.compile_transformer_layers_mode, args.compile_transformer_layers_backend
+    if mode in _compile.CUDA_GRAPH_MODES:
+        problems.append(
+            f"{_compile.MODE_FLAG} {mode} records inductor CUDA graph trees per compiled region, which "
+            f"this version does not support next to the eager MoE regions and megatron's own graphs "
+            f"(use default or max-autotune-no-cudagraphs; CUDA graphs: --cuda-graph-impl)"
+        )
+    if mode != "default" and backend != "inductor":
+        problems.append(f"{_compile.MODE_FLAG} {mode} is an inductor mode, but {_compile.BACKEND_FLAG} is {backend}")
+    if args.compile_transformer_layers_warmup_iters < 1:
+        problems.append(
+            f"{_compile.WARMUP_FLAG} {args.compile_transformer_layers_warmup_iters} (at least 1: the first "
+            f"iteration compiles)"
+        )
+    return "; ".join(problems) + "." if problems else None
+
+
+@rule(
+    "compile-transformer-layers-not-cuda-graphed",
+    phase="layout",
+    flags=(_compile.FLAG, "--cuda-graph-impl", "--overlap-moe-expert-parallel-comm"),
+)
+def _compile_not_graphed(args):
+    """A compiled layer must run through its forward, not a CUDA graph or the fine-grained plan."""
+    if not _compile.requested(args):
+        return None
+    problems = []
+    if args.cuda_graph_impl != "none":
+        problems.append(
+            f"--cuda-graph-impl {args.cuda_graph_impl} (megatron's capture calls the layers outside and "
+            f"around their forward, and a capture of compiled code with eager MoE regions is untested)"
+        )
+    if args.overlap_moe_expert_parallel_comm:
+        problems.append(
+            "--overlap-moe-expert-parallel-comm (its schedule plan calls the layers' attention and MLP "
+            "parts directly, so the compiled forward would never run)"
+        )
+    if problems:
+        return f"{_compile.FLAG} cannot be combined with: " + "; ".join(problems) + "."
+    return None
+
+
+@rule(
+    "compile-transformer-layers-hooks",
+    phase="layout",
+    flags=(_compile.FLAG, "--overlap-param-gather", "--megatron-fsdp-enable-fine-grained-param-gather",
+           "--nvtx-ranges"),
+)
+def _compile_hooks(args):
+    """Hooks on every submodule would run inside the compiled layer, one graph break each."""
+    if not _compile.requested(args):
+        return None
+    problems = []
+    fsdp = getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)
+    if getattr(args, "overlap_param_gather", False) and not fsdp:
+        problems.append(
+            "--overlap-param-gather (DDP then waits for parameter all-gathers in a forward pre-hook on "
+            "every submodule, inside the compiled layer; drop it, or use --use-megatron-fsdp, whose "
+            "hooks sit on whole layers)"
+        )
+    if getattr(args, "megatron_fsdp_enable_fine_grained_param_gather", False):
+        problems.append("--megatron-fsdp-enable-fine-grained-param-gather (hooks on every submodule)")
+    if getattr(args, "nvtx_ranges", False):
+        problems.append(
+            "--nvtx-ranges (the ranges inspect Python frames inside the layer, and switching them on at "
+            "--profile-step-start recompiles every layer after warm-up)"
+        )
+    if problems:
+        return f"{_compile.FLAG} cannot be combined with: " + "; ".join(problems) + "."
+    return None
+
+
+@rule(
+    "compile-transformer-layers-recompute",
+    phase="combination",
+    flags=(_compile.FLAG, "--recompute-granularity", "--recompute-modules"),
+)
+def _compile_recompute(args, config):
+    """Checkpoints inside a compiled layer are graph breaks; around it (full) they work."""
+    if not _compile.requested(args) or args.recompute_granularity != "selective":
+        return None
+    inside = [m for m in (args.recompute_modules or ["core_attn"]) if m != "moe_act"]
+    if inside:
+        return (
+            f"{_compile.FLAG} with --recompute-granularity selective --recompute-modules "
+            f"{' '.join(args.recompute_modules or ['core_attn'])}: {', '.join(inside)} checkpoint inside "
+            f"the compiled layer, a graph break at every boundary with the checkpointed part compiled "
+            f"twice. Use --recompute-granularity full (checkpoints around the compiled layer) or "
+            f"--recompute-modules moe_act (inside the eager expert region)."
+        )
+    return None
+
+
+FEATURES.append(Feature(name="compile-transformer-layers", flags=_compile.FLAGS, enabled=_compile.requested))
 # --- end per-layer torch.compile ---
 
 

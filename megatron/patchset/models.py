@@ -32,4 +32,8 @@ def configure_transformer_config(args: argparse.Namespace, config) -> None:
 def pre_wrap_hooks(args: argparse.Namespace) -> list[ModelHook]:
     """Hooks the parsed flags ask for, in the order they must run."""
     hooks: list[ModelHook] = []
+    from megatron.patchset import compile as ps_compile
+
+    if ps_compile.requested(args):  # compile last: after any hook that changes the layers
+        hooks.append(ps_compile.pre_wrap_hook(args))
     return hooks

@@ -45,6 +45,7 @@ AREA_MODULES = (
     "megatron.patchset.schedule_plan",
     "megatron.patchset.megatron_fsdp",
     "megatron.patchset.cuda_graphs",
+    "megatron.patchset.compile",
 )
 
 

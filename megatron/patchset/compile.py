@@ -1,0 +1,459 @@
+"""Per-TransformerLayer ``torch.compile`` (``--compile-transformer-layers``).
+
+What it does, and why this way:
+
+* **Per block, in place.** A pre-wrap model hook (:func:`pre_wrap_hook`, run by megatron's model
+  builder on the built chunks before ``.cuda()``, ``Float16Module`` and DDP/Megatron-FSDP) replaces
+  each ``TransformerLayer``'s *instance* ``forward`` with a compiled one. The module stays in the
+  tree (state-dict keys and attribute walks unchanged) and ``nn.Module.__call__`` is not compiled,
+  so the hooks that DDP and Megatron-FSDP register later on the layer (parameter all-gather,
+  reshard, post-backward reduce-scatter; Megatron-FSDP's unit modules *are* the TransformerLayers)
+  run eagerly around the compiled forward instead of breaking the graph inside it. Compilation is
+  lazy (first call), so the later dtype and device moves are what gets traced. Megatron's full
+  activation recompute checkpoints *around* the layer call, i.e. recompute(compile(layer)).
+* **Eager regions as patches.** The MoE layer's middle -- ``dispatch`` (token all-to-all /
+  all-gather / DeepEP / HybridEP / NCCL-EP dispatch), ``routed_experts_compute`` (host split sizes,
+  data-dependent per-expert token counts, grouped GEMM) and ``combine`` -- runs under
+  ``torch.compiler.disable``: these are three consecutive calls that are the same for every token
+  dispatcher, so three regions cover every host synchronisation, device-to-host copy, collective and
+  dynamic shape of all dispatchers; router, permutation 1 and unpermutation stay compiled. Two
+  further patches make the aux-loss scaler's backward traceable and keep the local spec's
+  tensor-parallel group look-up free of a rank-0-only warning. See :data:`EAGER_REGIONS`.
+* **No silent eager fallback, no recompiles after warm-up.** Dynamo's recompile limit is a hard
+  error (``fail_on_recompile_limit_hit``); per-layer integer attributes are not specialised
+  (``allow_unspec_int_on_nn_module``), so all layers share one compiled variant. After
+  ``--compile-transformer-layers-warmup-iters`` training iterations every call of a compiled layer in
+  training mode runs under the ``fail_on_recompile`` stance: a recompile raises an error that names
+  the guard that failed (the eager regions switch back to the default stance, so megatron's own
+  ``jit_fuser`` kernels inside them may still specialise on token counts).
+* **Report.** :class:`CompileMonitor` logs the first iteration's time (compile warm-up), dynamo's
+  compile time, graphs and graph breaks (with reasons) at the end of warm-up and at exit, and
+  writes them as ``{"compile": ...}`` lines into the metrics file (``MEGATRON_PATCHSET_METRICS``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from megatron.patchset.patches import PatchsetError, applied, register
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--compile-transformer-layers"
+MODE_FLAG = FLAG + "-mode"
+BACKEND_FLAG = FLAG + "-backend"
+WARMUP_FLAG = FLAG + "-warmup-iters"
+FLAGS = (FLAG, MODE_FLAG, BACKEND_FLAG, WARMUP_FLAG)
+
+MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+# Modes whose inductor CUDA graph trees this version refuses (see the validation rule).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+BACKENDS = ("inductor", "aot_eager", "eager")
+DEFAULTS = {
+    "compile_transformer_layers": False,
+    "compile_transformer_layers_mode": "default",
+    "compile_transformer_layers_backend": "inductor",
+    "compile_transformer_layers_warmup_iters": 2,
+}
+
+_MOE_LAYER = "megatron.core.transformer.moe.moe_layer.MoELayer"
+_AUX_SCALER = "megatron.core.transformer.moe.moe_utils.MoEAuxLossAutoScaler"
+
+
+def requested(args: Any) -> bool:
+    return bool(getattr(args, "compile_transformer_layers", False)) if args is not None else False
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    mode: str = DEFAULTS["compile_transformer_layers_mode"]
+    backend: str = DEFAULTS["compile_transformer_layers_backend"]
+    warmup_iters: int = DEFAULTS["compile_transformer_layers_warmup_iters"]
+
+    def compile_kwargs(self) -> dict:
+        """``torch.compile`` keyword arguments (a mode only means something to inductor)."""
+        kwargs: dict = {"backend": self.backend}
+        if self.backend == "inductor" and self.mode != "default":
+            kwargs["mode"] = self.mode
+        return kwargs
+
+
+def options_from_args(args: Any) -> CompileOptions:
+    return CompileOptions(
+        **{name[len("compile_transformer_layers_"):]: getattr(args, name, default)
+           for name, default in DEFAULTS.items() if name != "compile_transformer_layers"}
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Eager (compile-disabled) regions and traceability fixes, as registry patches
+# ---------------------------------------------------------------------------------------
+
+
+def eager_region(original: Callable, data_dependent_outputs: bool = False) -> Callable:
+    """``original`` under ``torch.compiler.disable``, run with the default compile stance.
+
+    The stance reset matters after warm-up, when compiled layers run under ``fail_on_recompile``:
+    functions that megatron itself compiles (``jit_fuser``) and that are called eagerly in here,
+    such as the experts' fused activation, may legitimately specialise on per-expert token
+    counts; only the layer's own frames are held to "no recompiles".
+
+    With ``data_dependent_outputs`` the first dimension of the returned tensors (the tokens this
+    rank received from its expert-parallel peers) is marked unbacked before the compiled code
+    resumes with it: otherwise the resumed frame guards on that size, and a rank that receives
+    0 or 1 tokens after warm-up (0/1 specialisation) recompiles.
+    """
+    import torch
+    from torch._dynamo.decorators import mark_unbacked
+
+    @functools.wraps(original)
+    def region(*args, **kwargs):
+        with torch.compiler.set_stance("default"):
+            result = original(*args, **kwargs)
+        if data_dependent_outputs:
+            for value in result if isinstance(result, tuple) else (result,):
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    mark_unbacked(value, 0)
+        return result
+
+    return torch.compiler.disable(region)
+
+
+# name -> (target, reason, whether the outputs' token count is data-dependent). One line each; ``python -m megatron.patchset --list --reasons``.
+EAGER_REGIONS = {
+    "compile.moe_dispatch_eager": (
+        f"{_MOE_LAYER}.dispatch",
+        "token dispatch is a collective with host-side split sizes and side streams (all-to-all "
+        "D2H copies and event syncs, all-gather, DeepEP/HybridEP/NCCL-EP fused dispatch): run eagerly",
+        True,
+    ),
+    "compile.moe_experts_eager": (
+        f"{_MOE_LAYER}.routed_experts_compute",
+        "per-expert token counts are data-dependent (.tolist()/.item() split sizes, "
+        "sort_chunks_by_idxs, masked_select, grouped GEMM with host splits): run eagerly",
+        True,
+    ),
+    "compile.moe_combine_eager": (
+        f"{_MOE_LAYER}.combine",
+        "token combine is a collective with host-side split sizes (all-to-all, reduce-scatter, "
+        "DeepEP/HybridEP/NCCL-EP fused combine): run eagerly",
+        False,
+    ),
+}
+
+
+def _register_eager_regions() -> None:
+    for name, (target, reason, dynamic) in EAGER_REGIONS.items():
+        register(
+            name, target, reason=reason, upstream_pr="fork-only (per-layer torch.compile)",
+            flags=(FLAG,), enabled=requested, wraps=True, kind="feature",
+        )(functools.partial(eager_region, data_dependent_outputs=dynamic))
+
+
+_register_eager_regions()
+
+
+_AUX_GRAD_OP = None
+
+
+def aux_loss_grad_op():
+    """``megatron_patchset::aux_loss_grad(aux_loss, grad_output)``: upstream's aux-loss gradient
+    (ones times ``MoEAuxLossAutoScaler.main_loss_backward_scale``, 1.0 until the schedule sets it)
+    as a custom op, opaque to the compiler.
+
+    Dynamo cannot trace upstream's backward (it reads a tensor class attribute: a graph break at
+    every aux/z-loss in the router). Traced from a module-level tensor instead, the partitioner
+    may compute ``ones * scale`` in the *forward* graph, i.e. with the scale of the previous
+    micro-batch (measured: wrong router gradients). As an op that takes ``grad_output``, it runs
+    in the backward and reads the scale when the backward runs, exactly as upstream does.
+    """
+    global _AUX_GRAD_OP
+    if _AUX_GRAD_OP is None:
+        import torch
+
+        @torch.library.custom_op(
+            "megatron_patchset::aux_loss_grad", mutates_args=(),
+            schema="(Tensor aux_loss, Tensor grad_output) -> Tensor",
+        )
+        def aux_loss_grad(aux_loss: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler as scaler
+
+            if scaler.main_loss_backward_scale is None:
+                scaler.main_loss_backward_scale = torch.tensor(1.0, device=aux_loss.device)
+            grad = torch.ones_like(aux_loss) * scaler.main_loss_backward_scale
+            if grad.shape != aux_loss.shape:
+                # The schedule sets a shape-[1] scale for a 0-d loss; upstream's broadcast gradient
+                # is reduced back to the loss's shape by autograd. The op must return that shape
+                # itself (its fake says so, and inductor checks it).
+                grad = grad.sum_to_size(aux_loss.shape)
+            return grad
+
+        @aux_loss_grad.register_fake
+        def _(aux_loss, grad_output):
+            return torch.empty_like(aux_loss)
+
+        _AUX_GRAD_OP = aux_loss_grad
+    return _AUX_GRAD_OP
+
+
+@register(
+    "compile.aux_loss_backward_opaque",
+    f"{_AUX_SCALER}.backward",
+    reason="dynamo cannot trace the backward's class-attribute loss scale (a graph break at every "
+    "aux/z-loss in the router): compute the same gradient in a custom op run at backward time",
+    upstream_pr="fork-only (per-layer torch.compile)",
+    flags=(FLAG,),
+    enabled=requested,
+    wraps=True,
+)
+def _aux_backward_factory(original):
+    op = aux_loss_grad_op()
+
+    def backward(ctx, grad_output):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, op(aux_loss, grad_output)
+
+    return backward
+
+
+@register(
+    "compile.tp_group_lookup_quiet",
+    "megatron.core.tensor_parallel.layers.get_tensor_model_parallel_group_if_none",
+    reason="the local spec's RowParallelLinear passes tp_group=None and the rank-0-only "
+    "deprecation warning is a graph break on rank 0 only: resolve the same group without it "
+    "while compiling",
+    upstream_pr="fork-only (per-layer torch.compile)",
+    flags=(FLAG,),
+    enabled=requested,
+    wraps=True,
+)
+def _tp_group_factory(original):
+    @functools.wraps(original)
+    def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+        import torch
+
+        if tp_group is None and torch.compiler.is_compiling():
+            from megatron.core import parallel_state
+
+            if parallel_state.is_initialized():
+                getter = (
+                    parallel_state.get_expert_tensor_parallel_group
+                    if is_expert
+                    else parallel_state.get_tensor_model_parallel_group
+                )
+                tp_group = getter(check_initialized=check_initialized)
+        return original(tp_group, is_expert, check_initialized)
+
+    return get_tensor_model_parallel_group_if_none
+
+
+PATCH_NAMES = tuple(EAGER_REGIONS) + (
+    "compile.aux_loss_backward_opaque",
+    "compile.tp_group_lookup_quiet",
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Dynamo statistics and the warm-up monitor
+# ---------------------------------------------------------------------------------------
+
+
+def dynamo_stats() -> dict:
+    """Process-wide dynamo counters: graphs, graph breaks (with reasons), frames, compile time."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    breaks = dict(counters["graph_break"])
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(breaks.values())),
+        "graph_break_reasons": {reason: int(n) for reason, n in breaks.items()},
+        "frames": int(counters["frames"]["total"]),
+        "frames_ok": int(counters["frames"]["ok"]),
+        "compile_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", []))),
+    }
+
+
+def _megatron_iteration() -> Optional[int]:
+    """Megatron's ``args.curr_iteration`` (set before every train_step), None outside training."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return getattr(get_args(), "curr_iteration", None)
+    except (AssertionError, ImportError):
+        return None
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class CompileMonitor:
+    """Tracks training iterations (a forward pre-hook on the first model chunk reads megatron's
+    current iteration) to time the compile warm-up, switch the compiled layers to strict mode
+    after it, and report dynamo's counters."""
+
+    def __init__(self, warmup_iters: int, iteration: Callable[[], Optional[int]] = _megatron_iteration):
+        self.warmup_iters = warmup_iters
+        self.iteration = iteration
+        self.strict = False
+        self.first: Optional[tuple[int, float]] = None
+        self.current: Optional[int] = None
+        self.reports: list[dict] = []
+        # Taken when the model is built: at exit the process group may be gone already.
+        self.rank, self.world = _rank_and_world()
+
+    def pre_forward(self, module, _args) -> None:
+        if not module.training:
+            return
+        iteration = self.iteration()
+        if iteration is None or iteration == self.current:
+            return
+        self.current = iteration
+        self.iteration_started(iteration)
+
+    def iteration_started(self, iteration: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = (iteration, now)
+            return
+        done = iteration - self.first[0]
+        seconds = now - self.first[1]
+        if done == 1:
+            self._say(f"compile: first training iteration (compile warm-up) took {seconds:.1f} s, "
+                      f"dynamo/inductor compile time {dynamo_stats()['compile_s']:.1f} s")
+        if done == self.warmup_iters and not self.strict:
+            self.report("warmup", iterations=done, seconds=seconds)
+            self.strict = True
+
+    def report(self, phase: str, **extra) -> dict:
+        stats = dict(dynamo_stats(), phase=phase, **extra)
+        if self.reports:
+            stats["graphs_since_warmup"] = stats["graphs"] - self.reports[0]["graphs"]
+            stats["frames_since_warmup"] = stats["frames"] - self.reports[0]["frames"]
+        self.reports.append(stats)
+        reasons = "; ".join(f"{n}x {' '.join(r.split())[:200]}" for r, n in stats["graph_break_reasons"].items())
+        self._say(
+            f"compile: {phase}: {stats['graphs']} graphs, {stats['graph_breaks']} graph breaks, "
+            f"{stats['frames']} frames, compile time {stats['compile_s']:.1f} s"
+            + (f" (after {extra['iterations']} iterations, {extra['seconds']:.1f} s; from now on a "
+               f"recompile of a compiled layer is an error)" if phase == "warmup" else "")
+            + (f"; since warm-up +{stats['graphs_since_warmup']} graphs, "
+               f"+{stats['frames_since_warmup']} frames" if "graphs_since_warmup" in stats else "")
+            + (f"; breaks: {reasons}" if reasons else "")
+        )
+        self._record(stats)
+        return stats
+
+    def final_report(self) -> None:
+        if self.reports:
+            self.report("final")
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            print(f"> {line}", flush=True)
+
+    def _record(self, stats: dict) -> None:
+        """On the last rank, as megatron's metrics lines are (``MEGATRON_PATCHSET_METRICS``)."""
+        from megatron.patchset import training as ps_training
+
+        recorder = ps_training.recorder()
+        if recorder is not None and self.rank == self.world - 1:
+            recorder.write({"compile": stats})
+
+
+# ---------------------------------------------------------------------------------------
+# Compiling the layers (the pre-wrap hook)
+# ---------------------------------------------------------------------------------------
+
+
+def configure_dynamo() -> None:
+    """Process-wide dynamo settings the feature relies on (logged once)."""
+    import torch._dynamo
+
+    # A recompile limit hit is an error, not a silent switch of the frame to eager.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    # Integer attributes of modules (router.layer_number, ...) are not baked into guards: all
+    # layers share one compiled variant instead of one each (the 9th layer would hit the limit).
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+
+
+def compile_layer(layer, options: CompileOptions, monitor: Optional[CompileMonitor]) -> None:
+    """Replace ``layer.forward`` (the instance attribute) with its compiled version."""
+    import torch
+
+    original = layer.forward
+    compiled = torch.compile(original, **options.compile_kwargs())
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        if monitor is not None and monitor.strict and layer.training:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return compiled(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    forward.__megatron_patchset_compiled__ = True
+    layer.forward = forward
+
+
+def _prepare_token_dispatcher(layer) -> None:
+    """The all-to-all dispatcher copies split sizes to the host before permutation 1 (inside the
+    compiled ``preprocess``); move that copy to just before the all-to-all (inside the eager
+    ``dispatch``), as megatron does when it CUDA-graphs ``moe_preprocess``. Not possible when a
+    capacity factor without padding makes the host sync itself happen before permutation 1."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    dispatcher = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
+    if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
+        config = dispatcher.config
+        if config.moe_expert_capacity_factor is None or config.moe_pad_expert_input_to_capacity:
+            dispatcher.cuda_dtoh_point = "before_ep_alltoall"
+
+
+def compile_transformer_layers(model_chunks: list, options: CompileOptions,
+                               monitor: Optional[CompileMonitor] = None) -> list[str]:
+    """Compile every TransformerLayer of the chunks in place; returns their qualified names."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    missing = [name for name in PATCH_NAMES if name not in applied()]
+    if missing:
+        raise PatchsetError(
+            f"{FLAG}: the compile patches {', '.join(missing)} are not applied; call "
+            f"megatron.patchset.patches.apply(args) before building the model"
+        )
+    configure_dynamo()
+    names = []
+    for index, chunk in enumerate(model_chunks):
+        for name, module in chunk.named_modules():
+            if isinstance(module, TransformerLayer):
+                _prepare_token_dispatcher(module)
+                compile_layer(module, options, monitor)
+                names.append(f"{index}:{name}")
+    if monitor is not None and model_chunks:
+        model_chunks[0].register_forward_pre_hook(monitor.pre_forward)
+    return names
+
+
+def pre_wrap_hook(args: Any) -> Callable[[list], list]:
+    """The model hook for ``GPTModelConfig.pre_wrap_hooks``."""
+    options = options_from_args(args)
+
+    def hook(model_chunks: list) -> list:
+        monitor = CompileMonitor(options.warmup_iters)
+        atexit.register(monitor.final_report)
+        names = compile_transformer_layers(model_chunks, options, monitor)
+        monitor._say(
+            f"compile: {len(names)} TransformerLayers compiled per layer "
+            f"(torch.compile {options.compile_kwargs()}), warm-up {options.warmup_iters} iterations"
+        )
+        return model_chunks
+
+    return hook
