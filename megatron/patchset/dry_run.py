@@ -108,9 +108,16 @@ def required_packages(args: argparse.Namespace) -> list[tuple[str, str]]:
     backend = getattr(args, "moe_flex_dispatcher_backend", None)
     if dispatcher == "flex":
         if backend in ("deepep", "hybridep"):
-            need.append(("deep_ep (built from source, see docs/deepep.md)", f"--moe-flex-dispatcher-backend {backend}"))
-        elif backend == "ncclep" and args.transformer_impl != "transformer_engine":
-            need.append((te, "--moe-flex-dispatcher-backend ncclep"))
+            from megatron.patchset import token_dispatcher as flex
+
+            revision = flex.HYBRIDEP_REVISION[:7] + " hybrid-ep" if backend == "hybridep" else flex.DEEPEP_REVISION[:7]
+            need.append((f"deep_ep (DeepEP {revision}, built from source: docs/deepep.md)",
+                         f"--moe-flex-dispatcher-backend {backend}"))
+        elif backend == "ncclep":
+            from megatron.patchset import token_dispatcher as flex
+
+            need.append((te, f"--moe-flex-dispatcher-backend ncclep: its libnccl_ep.so, run with NCCL >= "
+                             f"{'.'.join(map(str, flex.NCCL_EP_MIN_NCCL))} (docs/deepep.md)"))
     tokenizer_pkgs = {
         "SentencePieceTokenizer": "sentencepiece",
         "GPTSentencePieceTokenizer": "sentencepiece",
@@ -220,6 +227,9 @@ def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
         mtp_num_layers=None,
         # the dispatcher holds no parameters; all-gather's needs no CUDA stream at build time
         moe_token_dispatcher_type="allgather",
+        moe_flex_dispatcher_backend="deepep",  # the config default: ncclep/hybridep checks need flex
+        moe_expert_rank_capacity_factor=None,
+        moe_paged_stash=False,
         # schedule options that require expert parallelism, which the unsharded build drops
         overlap_moe_expert_parallel_comm=False,
         delay_wgrad_compute=False,

@@ -46,6 +46,7 @@ AREA_MODULES = (
     "megatron.patchset.megatron_fsdp",
     "megatron.patchset.cuda_graphs",
     "megatron.patchset.compile",
+    "megatron.patchset.token_dispatcher",
 )
 
 

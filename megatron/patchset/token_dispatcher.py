@@ -1,0 +1,400 @@
+"""The flex token dispatcher's backends on megatron-core 0.19.2: DeepEP, HybridEP, NCCL EP.
+
+``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {deepep,hybridep,ncclep}``
+hands the MoE all-to-all to an external library. megatron-core probes those libraries once, when
+``megatron.core.transformer.moe.fused_a2a`` is imported, with ``except ImportError``: a library
+that is installed but broken (missing ``libnvshmem_host.so.3``, an undefined symbol, DeepEP 2.x
+whose ``deep_ep.utils`` no longer exports ``EventOverlap``) is then reported as "not installed"
+when the first MoE layer is built, and the reason is lost. This module
+
+* probes each backend itself (:func:`probe_deep_ep`, :func:`probe_nccl_ep`) and reports the
+  original exception, the API megatron calls that is missing, or the runtime that is too old;
+  the combination rules in ``arguments.py`` run the probes before any GPU work, and the patches
+  below run them again where megatron builds the backend's manager, so that a model built outside
+  ``pretrain_gpt.py`` fails with the same message. A requested backend is never replaced by the
+  all-to-all dispatcher;
+* fixes megatron's call into TransformerEngine 2.20's NCCL EP: ``fused_a2a.ensure_nccl_ep_bootstrapped``
+  calls ``te_ep.ep_bootstrap`` without its required ``num_topk`` argument (a ``TypeError`` at
+  the first dispatch). Two patches pass the manager's top-k through.
+
+Pinned DeepEP revisions (docs/deepep.md): :data:`DEEPEP_REVISION` for ``deepep`` and
+:data:`HYBRIDEP_REVISION` (branch ``hybrid-ep``, provides both) for ``hybridep``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import inspect
+import logging
+import threading
+from typing import Any, Optional
+
+from megatron.patchset.patches import register
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("deepep", "hybridep", "ncclep")
+DEEPEP_REPOSITORY = "https://github.com/deepseek-ai/DeepEP"
+# The last commit of DeepEP 1.x on main: its Buffer API is the one megatron-core 0.19.2's
+# fused_a2a.py calls, and it builds against NVSHMEM 3.4 from pip with CUDA 13 (docs/deepep.md).
+DEEPEP_REVISION = "567632dd59810d77b3cc05553df953cc0f779799"
+# Branch hybrid-ep: the same Buffer plus HybridEPBuffer (with fused permute-dispatch).
+HYBRIDEP_REVISION = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
+# Group sizes (TP x EP) DeepEP's normal kernels have a tuned config for (Buffer.get_dispatch_config).
+DEEPEP_GROUP_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+
+# TransformerEngine 2.20's NCCL EP. TE's Python side asks for NCCL >= 2.30.4, but the
+# libnccl_ep.so in the transformer-engine-cu13 2.20.2 wheel was built against NCCL 2.32.3 and its
+# ncclEpCreateGroup refuses any older runtime ("build NCCL 2.32.3 and runtime NCCL ... are
+# incompatible"), so 2.32.3 is the real floor for the pinned stack.
+NCCL_EP_MIN_NCCL = (2, 32, 3)
+NCCL_EP_NCCL_WHEEL = "nvidia-nccl-cu13==2.32.3"
+
+# What megatron-core 0.19.2 calls (fused_a2a.py): callable -> keyword parameters it passes.
+_DEEPEP_BUFFER_API = {
+    "__init__": ("group", "num_nvl_bytes", "num_rdma_bytes"),
+    "get_dispatch_config": (),
+    "get_combine_config": (),
+    "set_num_sms": (),
+    "get_dispatch_layout": ("topk_idx", "num_experts", "previous_event", "async_finish", "allocate_on_comm_stream"),
+    "dispatch": (
+        "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
+        "num_tokens_per_expert", "topk_idx", "topk_weights", "previous_event", "async_finish",
+        "allocate_on_comm_stream",
+    ),
+    "combine": ("x", "handle", "topk_weights", "previous_event", "async_finish", "allocate_on_comm_stream"),
+}
+_HYBRIDEP_API = {
+    "__init__": ("group", "hidden_dim", "max_num_of_tokens_per_rank", "num_local_experts", "use_fp8"),
+    "dispatch_with_permute": (
+        "hidden", "routing_map", "probs", "scaling_factor", "num_of_experts_per_rank",
+        "pad_multiple", "num_permuted_tokens", "non_blocking",
+    ),
+    "combine_with_unpermute": ("hidden", "handle", "pad_multiple"),
+}
+_TE_EP_API = ("ep_bootstrap", "EpBuffer", "ep_dispatch", "ep_combine", "ep_finalize")
+
+
+class FlexBackendError(RuntimeError):
+    """A requested flex dispatcher backend cannot run here; the message says why and how to fix it."""
+
+
+def requested_backend(args: Any) -> Optional[str]:
+    """The flex backend the arguments ask for, or None (another dispatcher, or no arguments)."""
+    if args is None or getattr(args, "moe_token_dispatcher_type", None) != "flex":
+        return None
+    if not getattr(args, "num_experts", None):
+        return None
+    return getattr(args, "moe_flex_dispatcher_backend", None) or "deepep"
+
+
+def _missing_parameters(func: Any, names: tuple[str, ...]) -> list[str]:
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):  # a C++ callable without a signature: cannot tell
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    return [name for name in names if name not in params]
+
+
+def _api_gaps(cls: Any, api: dict[str, tuple[str, ...]]) -> list[str]:
+    gaps = []
+    for method, keywords in api.items():
+        func = getattr(cls, method, None)
+        if func is None:
+            gaps.append(f"{cls.__name__}.{method} is missing")
+            continue
+        missing = _missing_parameters(func, keywords)
+        if missing:
+            gaps.append(f"{cls.__name__}.{method} has no parameter(s) {', '.join(missing)}")
+    return gaps
+
+
+def _exception_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) not in text:
+        text += f" (caused by {type(cause).__name__}: {cause})"
+    return text
+
+
+def _build_hint(backend: str) -> str:
+    revision = HYBRIDEP_REVISION if backend == "hybridep" else DEEPEP_REVISION
+    branch = " (branch hybrid-ep)" if backend == "hybridep" else ""
+    return (
+        f"Build DeepEP {revision[:7]}{branch} from {DEEPEP_REPOSITORY} with "
+        f"`bash tools/build_deepep.sh <source> <dest>` and put <dest> on PYTHONPATH (docs/deepep.md)"
+    )
+
+
+def probe_deep_ep(backend: str = "deepep") -> Optional[str]:
+    """None when DeepEP offers what megatron-core 0.19.2 calls for ``backend`` (deepep or
+    hybridep), else why not, with the original exception text."""
+    hint = _build_hint(backend)
+    try:
+        deep_ep = importlib.import_module("deep_ep")
+    except Exception as exc:  # noqa: BLE001 - any import failure, reported verbatim
+        if isinstance(exc, ModuleNotFoundError) and exc.name in ("deep_ep",):
+            return f"DeepEP is not installed (`import deep_ep`: {_exception_text(exc)}). {hint}."
+        return f"DeepEP is installed but does not import: {_exception_text(exc)}. {hint}."
+    version = str(getattr(deep_ep, "__version__", "") or "")
+    where = getattr(deep_ep, "__file__", None) or "?"
+    try:
+        from deep_ep.utils import EventHandle, EventOverlap  # noqa: F401  (megatron's import)
+    except Exception as exc:  # noqa: BLE001
+        v2 = " DeepEP 2.x (EPv2) moved them;" if version.startswith("2") or "EventHandle" in str(exc) else ""
+        return (
+            f"DeepEP at {where} lacks `from deep_ep.utils import EventHandle, EventOverlap`, which "
+            f"megatron-core 0.19.2 imports ({_exception_text(exc)}).{v2} megatron would report it as "
+            f"not installed. {hint}."
+        )
+    gaps = []
+    buffer = getattr(deep_ep, "Buffer", None)
+    if buffer is None:
+        gaps.append("deep_ep.Buffer is missing")
+    else:
+        gaps += _api_gaps(buffer, _DEEPEP_BUFFER_API)
+    if backend == "hybridep":
+        hybrid = getattr(deep_ep, "HybridEPBuffer", None)
+        if hybrid is None:
+            gaps.append("deep_ep.HybridEPBuffer is missing (it exists only on DeepEP's hybrid-ep branch)")
+        else:
+            gaps += _api_gaps(hybrid, _HYBRIDEP_API)
+    if gaps:
+        return (
+            f"DeepEP at {where} does not have the API megatron-core 0.19.2 calls: {'; '.join(gaps)}. {hint}."
+        )
+    return None
+
+
+def deep_ep_group_size_problem(group_size: int) -> Optional[str]:
+    """None when DeepEP's normal kernels support a TP x EP group of ``group_size`` ranks."""
+    try:
+        from deep_ep import Buffer
+
+        Buffer.get_dispatch_config(group_size)
+        Buffer.get_combine_config(group_size)
+        return None
+    except AssertionError:
+        pass
+    except Exception:  # noqa: BLE001 - fall back to the table of 567632d
+        if group_size in DEEPEP_GROUP_SIZES:
+            return None
+    return (
+        f"DeepEP has no dispatch/combine configuration for a group of {group_size} ranks "
+        f"(tensor x expert parallel); supported: {', '.join(map(str, DEEPEP_GROUP_SIZES))}"
+    )
+
+
+def nccl_runtime_version() -> Optional[tuple[int, int, int]]:
+    """Version of the libnccl.so.2 this process loads (the one torch loaded, or LD_PRELOAD's)."""
+    try:
+        lib = ctypes.CDLL("libnccl.so.2", mode=getattr(ctypes, "RTLD_GLOBAL", 0))
+        code = ctypes.c_int(0)
+        if lib.ncclGetVersion(ctypes.byref(code)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    value = code.value
+    return value // 10000, (value // 100) % 100, value % 100
+
+
+def _fmt(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+def nccl_upgrade_hint() -> str:
+    return (
+        f"install {NCCL_EP_NCCL_WHEEL} (or any NCCL >= {_fmt(NCCL_EP_MIN_NCCL)}) and load it in "
+        f"place of torch's: LD_PRELOAD=<site-packages>/nvidia/nccl/lib/libnccl.so.2 (docs/deepep.md)"
+    )
+
+
+def probe_nccl_ep(check_runtime: bool = True) -> Optional[str]:
+    """None when TransformerEngine's NCCL EP can run here, else why not.
+
+    Checks that ``transformer_engine.pytorch.ep`` imports (original exception otherwise), that TE
+    found its ``libnccl_ep.so``, and (``check_runtime``) that the loaded NCCL is new enough.
+    """
+    try:
+        te_ep = importlib.import_module("transformer_engine.pytorch.ep")
+    except Exception as exc:  # noqa: BLE001
+        return (
+            f"TransformerEngine's NCCL EP (transformer_engine.pytorch.ep) does not import: "
+            f"{_exception_text(exc)}. It needs transformer-engine 2.20 with its torch extension."
+        )
+    missing = [name for name in _TE_EP_API if not hasattr(te_ep, name)]
+    if missing:
+        return f"transformer_engine.pytorch.ep lacks {', '.join(missing)}, which megatron-core 0.19.2 calls."
+    try:
+        import transformer_engine
+
+        library = transformer_engine._nccl_ep_library_installed()
+    except Exception:  # noqa: BLE001 - older TE without the helper: let the bootstrap decide
+        library = True
+    if not library:
+        return (
+            "TransformerEngine has no libnccl_ep.so (the transformer-engine-cu13 wheel ships it in "
+            "transformer_engine/wheel_lib; a source build needs NVTE_WITH_NCCL_EP=1)."
+        )
+    if check_runtime:
+        found = nccl_runtime_version()
+        if found is None:
+            return f"libnccl.so.2 cannot be loaded to check its version; {nccl_upgrade_hint()}."
+        if found < NCCL_EP_MIN_NCCL:
+            return (
+                f"NCCL {_fmt(found)} is loaded, but TransformerEngine 2.20.2's libnccl_ep.so was "
+                f"built against NCCL {_fmt(NCCL_EP_MIN_NCCL)} and refuses an older runtime; "
+                f"{nccl_upgrade_hint()}."
+            )
+    return None
+
+
+def check_backend(backend: str, *, check_runtime: bool = True) -> None:
+    """Raise :class:`FlexBackendError` when ``backend`` cannot run here."""
+    if backend not in BACKENDS:
+        raise FlexBackendError(f"unknown flex dispatcher backend {backend!r}; one of {', '.join(BACKENDS)}")
+    problem = probe_nccl_ep(check_runtime) if backend == "ncclep" else probe_deep_ep(backend)
+    if problem:
+        raise FlexBackendError(f"--moe-flex-dispatcher-backend {backend}: {problem}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Patches: the same checks where megatron builds a backend's manager
+# ---------------------------------------------------------------------------------------------
+
+_TD = "megatron.core.transformer.moe.token_dispatcher"
+
+
+def _backend_is(name: str):
+    return lambda args: requested_backend(args) == name
+
+
+_ANNOUNCED: set = set()
+
+
+def backend_origin(backend: str) -> str:
+    """Where the backend's library was loaded from (for the run's log)."""
+    name = "transformer_engine.pytorch.ep" if backend == "ncclep" else "deep_ep"
+    module = importlib.import_module(name)
+    origin = getattr(module, "__file__", "?")
+    if backend == "ncclep":
+        version = nccl_runtime_version()
+        return f"{origin}, NCCL {_fmt(version) if version else '?'}"
+    return origin
+
+
+def _checked_init(backend: str):
+    def factory(original):
+        def __init__(self, *args, **kwargs):
+            check_backend(backend)
+            if backend not in _ANNOUNCED:  # one line per process: the tests look for it
+                _ANNOUNCED.add(backend)
+                print(f"megatron-patchset: flex dispatcher backend {backend} from {backend_origin(backend)}", flush=True)
+            return original(self, *args, **kwargs)
+
+        return __init__
+
+    return factory
+
+
+register(
+    "token_dispatcher.deepep_check",
+    f"{_TD}._DeepepManager.__init__",
+    reason="megatron reports any failure to import deep_ep (broken build, DeepEP 2.x) as 'not "
+    "installed'; re-probe DeepEP and raise with the original error and the pinned revision",
+    upstream_pr="fork-only (diagnostics)",
+    flags=("--moe-flex-dispatcher-backend deepep",),
+    enabled=_backend_is("deepep"),
+    wraps=True,
+    kind="compat",
+)(_checked_init("deepep"))
+
+register(
+    "token_dispatcher.hybridep_check",
+    f"{_TD}._HybridEPManager.__init__",
+    reason="same as token_dispatcher.deepep_check, for DeepEP's HybridEPBuffer (branch hybrid-ep)",
+    upstream_pr="fork-only (diagnostics)",
+    flags=("--moe-flex-dispatcher-backend hybridep",),
+    enabled=_backend_is("hybridep"),
+    wraps=True,
+    kind="compat",
+)(_checked_init("hybridep"))
+
+register(
+    "token_dispatcher.ncclep_check",
+    f"{_TD}._NCCLEPManager.__init__",
+    reason="TE's NCCL EP fails late (first dispatch) on an old NCCL or a TE without libnccl_ep.so; "
+    "check both when the layer is built",
+    upstream_pr="fork-only (diagnostics)",
+    flags=("--moe-flex-dispatcher-backend ncclep",),
+    enabled=_backend_is("ncclep"),
+    wraps=True,
+    kind="compat",
+)(_checked_init("ncclep"))
+
+
+# The top-k of the manager whose _ensure_bootstrap is running (bootstrap is collective and happens
+# once per process, from the first MoE layer's first dispatch).
+_BOOTSTRAP = threading.local()
+
+
+@register(
+    "token_dispatcher.ncclep_bootstrap_topk",
+    f"{_TD}._NCCLEPManager._ensure_bootstrap",
+    reason="records the manager's router top-k for token_dispatcher.ncclep_bootstrap, which must "
+    "pass it to TE 2.20's ep_bootstrap",
+    upstream_pr="fork-only (TE 2.20.2 made ep_bootstrap's num_topk required)",
+    flags=("--moe-flex-dispatcher-backend ncclep",),
+    enabled=_backend_is("ncclep"),
+    wraps=True,
+    kind="compat",
+)
+def _ensure_bootstrap_factory(original):
+    def _ensure_bootstrap(self):
+        _BOOTSTRAP.topk = self.router_topk
+        try:
+            return original(self)
+        finally:
+            _BOOTSTRAP.topk = None
+
+    return _ensure_bootstrap
+
+
+@register(
+    "token_dispatcher.ncclep_bootstrap",
+    f"{_TD}.ensure_nccl_ep_bootstrapped",
+    reason="megatron-core 0.19.2 calls te_ep.ep_bootstrap without num_topk, which TransformerEngine "
+    "2.20's signature requires (TypeError at the first dispatch)",
+    upstream_pr="fork-only (TE 2.20.2 made ep_bootstrap's num_topk required)",
+    flags=("--moe-flex-dispatcher-backend ncclep",),
+    enabled=_backend_is("ncclep"),
+    kind="compat",
+)
+def ensure_nccl_ep_bootstrapped(ep_group, num_experts, max_tokens_per_rank, recv_capacity_per_rank, hidden_dim,
+                                num_sms=0, zero_copy=False):
+    """Bootstrap TE's NCCL EP once per process (collective over ``ep_group``), passing the top-k
+    of the MoE layer whose first dispatch triggers it."""
+    from transformer_engine.pytorch import ep as te_ep
+
+    if te_ep.is_ep_bootstrapped():
+        return
+    topk = getattr(_BOOTSTRAP, "topk", None)
+    if topk is None:
+        raise FlexBackendError(
+            "ensure_nccl_ep_bootstrapped was called outside _NCCLEPManager._ensure_bootstrap, so "
+            "the router top-k that TE's ep_bootstrap needs is unknown"
+        )
+    check_backend("ncclep")
+    te_ep.ep_bootstrap(
+        ep_group,
+        num_experts=num_experts,
+        max_tokens_per_rank=max_tokens_per_rank,
+        hidden_dim=hidden_dim,
+        num_topk=topk,
+        recv_capacity_per_rank=recv_capacity_per_rank,
+        max_num_sms=num_sms,
+        zero_copy=zero_copy,
+    )

@@ -1,0 +1,321 @@
+"""Flex dispatcher backends: the probes report the real cause, the rules refuse a backend that
+cannot run (never falling back to all-to-all), and the NCCL EP bootstrap patch passes num_topk.
+
+DeepEP packages are stand-ins written to a temporary folder: one with the 1.x API megatron-core
+0.19.2 calls, one laid out like DeepEP 2.x (EPv2), one whose extension fails to load."""
+
+import sys
+import textwrap
+import types
+
+import pytest
+
+from megatron.patchset import arguments as ps_args
+from megatron.patchset import patches
+from megatron.patchset import token_dispatcher as flex
+from tests.unit.conftest import tiny_argv, validated
+
+# --- stand-in DeepEP packages ---------------------------------------------------------------
+
+_V1_BUFFER = '''
+class Buffer:
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False):
+        pass
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        assert num_ranks in (2, 4, 8), f"Unsupported number of EP ranks: {num_ranks}"
+        return object()
+    @staticmethod
+    def get_combine_config(num_ranks):
+        assert num_ranks in (2, 4, 8), f"Unsupported number of EP ranks: {num_ranks}"
+        return object()
+    @staticmethod
+    def set_num_sms(n):
+        pass
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        pass
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None,
+                 async_finish=False, allocate_on_comm_stream=False):
+        pass
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        pass
+'''
+
+PACKAGES = {
+    "v1": {
+        "deep_ep/__init__.py": "from .utils import EventOverlap\nfrom .buffer import Buffer\n",
+        "deep_ep/utils.py": "class EventHandle: pass\nclass EventOverlap: pass\n",
+        "deep_ep/buffer.py": _V1_BUFFER,
+    },
+    # DeepEP 2.x: deep_ep.utils became a package exporting only EventHandle.
+    "v2": {
+        "deep_ep/__init__.py": "__version__ = '2.1.0'\nfrom .utils import EventHandle\nfrom .buffers.legacy import Buffer\nclass EventOverlap: pass\n",
+        "deep_ep/utils/__init__.py": "from .event import EventHandle\n",
+        "deep_ep/utils/event.py": "class EventHandle: pass\n",
+        "deep_ep/buffers/__init__.py": "",
+        "deep_ep/buffers/legacy.py": _V1_BUFFER,
+    },
+    # Installed, but the compiled extension does not load.
+    "broken": {
+        "deep_ep/__init__.py": "raise ImportError('libnvshmem_host.so.3: cannot open shared object file: No such file or directory')\n",
+    },
+    # An old API: dispatch without the keywords megatron passes.
+    "old_api": {
+        "deep_ep/__init__.py": "from .utils import EventOverlap\nfrom .buffer import Buffer\n",
+        "deep_ep/utils.py": "class EventHandle: pass\nclass EventOverlap: pass\n",
+        "deep_ep/buffer.py": _V1_BUFFER.replace("allocate_on_comm_stream=False):\n        pass\n    def combine",
+                                                 "):\n        pass\n    def combine").replace(
+            "previous_event=None,\n                 async_finish=False, ", ""),
+    },
+}
+
+
+@pytest.fixture
+def deep_ep_package(tmp_path, monkeypatch):
+    """Make one of the stand-in packages importable as ``deep_ep``."""
+
+    def install(kind):
+        root = tmp_path / kind
+        for rel, text in PACKAGES[kind].items():
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(text))
+        monkeypatch.syspath_prepend(str(root))
+        for name in [m for m in sys.modules if m == "deep_ep" or m.startswith("deep_ep.")]:
+            monkeypatch.delitem(sys.modules, name)
+        return root
+
+    yield install
+    for name in [m for m in sys.modules if m == "deep_ep" or m.startswith("deep_ep.")]:
+        del sys.modules[name]
+
+
+def flex_argv(backend, *extra):
+    return tiny_argv("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+                     "--moe-flex-dispatcher-backend", backend, *extra)
+
+
+def combination_failures(argv, world_size=2):
+    args = validated(argv, world_size)
+    try:
+        ps_args.validate(args, "combination", config=None)
+    except ps_args.PatchsetArgumentError as exc:
+        return {rule.name: message for rule, message in exc.failures}
+    return {}
+
+
+# --- DeepEP probe ---------------------------------------------------------------------------
+
+
+def test_probe_accepts_the_api_megatron_calls(deep_ep_package):
+    deep_ep_package("v1")
+    assert flex.probe_deep_ep("deepep") is None
+    assert flex.deep_ep_group_size_problem(2) is None
+    assert "no dispatch/combine configuration for a group of 6 ranks" in flex.deep_ep_group_size_problem(6)
+
+
+def test_probe_reports_missing_package_with_the_pinned_revision(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # import deep_ep -> ImportError
+    message = flex.probe_deep_ep("deepep")
+    assert "import deep_ep" in message or "does not import" in message
+    assert flex.DEEPEP_REVISION[:7] in message and "tools/build_deepep.sh" in message
+
+
+def test_probe_surfaces_the_original_import_error(deep_ep_package):
+    deep_ep_package("broken")
+    message = flex.probe_deep_ep("deepep")
+    assert message.startswith("DeepEP is installed but does not import")
+    assert "libnvshmem_host.so.3: cannot open shared object file" in message
+
+
+def test_probe_explains_deepep_2x(deep_ep_package):
+    deep_ep_package("v2")
+    message = flex.probe_deep_ep("deepep")
+    assert "from deep_ep.utils import EventHandle, EventOverlap" in message
+    assert "EventOverlap" in message and "2.x" in message
+    # megatron-core's own import of the same package fails (and it then says "not installed"):
+    with pytest.raises(ImportError):
+        from deep_ep.utils import EventOverlap  # noqa: F401
+
+
+def test_probe_names_missing_keywords(deep_ep_package):
+    deep_ep_package("old_api")
+    message = flex.probe_deep_ep("deepep")
+    assert "Buffer.dispatch has no parameter(s) previous_event, async_finish" in message
+    assert "Buffer.combine" not in message
+
+
+def test_hybridep_needs_the_hybrid_ep_branch(deep_ep_package):
+    deep_ep_package("v1")
+    message = flex.probe_deep_ep("hybridep")
+    assert "HybridEPBuffer is missing" in message and flex.HYBRIDEP_REVISION[:7] in message
+
+
+# --- rules ------------------------------------------------------------------------------------
+
+
+def test_rule_refuses_deepep_that_is_missing(deep_ep_package):
+    deep_ep_package("broken")
+    failures = combination_failures(flex_argv("deepep"))
+    assert "flex-backend-installed" in failures
+    assert "libnvshmem_host.so.3" in failures["flex-backend-installed"]
+    assert "--moe-flex-dispatcher-backend deepep" in failures["flex-backend-installed"]
+
+
+def test_rule_accepts_a_matching_deepep(deep_ep_package):
+    deep_ep_package("v1")
+    assert combination_failures(flex_argv("deepep")) == {}
+
+
+def test_dry_run_checks_the_combination_not_the_installation(deep_ep_package):
+    deep_ep_package("broken")
+    failures = combination_failures(flex_argv("deepep", "--dry-run"))
+    assert "flex-backend-installed" not in failures
+
+
+def test_rule_group_size(deep_ep_package):
+    deep_ep_package("v1")
+    one = combination_failures(tiny_argv("--moe-token-dispatcher-type", "flex",
+                                         "--moe-flex-dispatcher-backend", "deepep"), world_size=1)
+    assert "TPxEP > 1" in one["flex-backend-group-size"]
+    # 8 experts over EP=4 on 4 GPUs is a size the stand-in supports; EP=8 would be too, 6 is not.
+    assert "flex-backend-group-size" not in combination_failures(
+        tiny_argv("--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "flex"), world_size=4)
+
+
+def test_other_dispatchers_are_not_checked(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)
+    assert combination_failures(tiny_argv("--expert-model-parallel-size", "2")) == {}
+    assert flex.requested_backend(None) is None
+
+
+def test_ncclep_rules(monkeypatch):
+    monkeypatch.setattr(flex, "probe_nccl_ep", lambda check_runtime=True: "NCCL 2.28.9 is loaded, but ...")
+    failures = combination_failures(flex_argv("ncclep"))
+    assert "--moe-expert-rank-capacity-factor" in failures["ncclep-needs-rank-capacity"]
+    assert "NCCL 2.28.9" in failures["flex-backend-installed"]
+    monkeypatch.setattr(flex, "probe_nccl_ep", lambda check_runtime=True: None)
+    assert combination_failures(flex_argv("ncclep", "--moe-expert-rank-capacity-factor", "2.0")) == {}
+
+
+# --- NCCL EP probe ----------------------------------------------------------------------------
+
+
+def _fake_te(monkeypatch, *, library=True):
+    te = types.ModuleType("transformer_engine")
+    te._nccl_ep_library_installed = lambda: library
+    pytorch = types.ModuleType("transformer_engine.pytorch")
+    ep = types.ModuleType("transformer_engine.pytorch.ep")
+    for name in flex._TE_EP_API:
+        setattr(ep, name, lambda *a, **k: None)
+    ep.calls = []
+    ep.is_ep_bootstrapped = lambda: False
+
+    def ep_bootstrap(ep_group, num_experts, max_tokens_per_rank, hidden_dim, num_topk,
+                     recv_capacity_per_rank=None, max_num_sms=0, zero_copy=False):
+        ep.calls.append(dict(num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
+                             hidden_dim=hidden_dim, num_topk=num_topk,
+                             recv_capacity_per_rank=recv_capacity_per_rank, max_num_sms=max_num_sms))
+
+    ep.ep_bootstrap = ep_bootstrap
+    pytorch.ep = ep
+    te.pytorch = pytorch
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", pytorch)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.ep", ep)
+    return ep
+
+
+def test_nccl_ep_probe(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    assert "does not import" in flex.probe_nccl_ep()
+    _fake_te(monkeypatch, library=False)
+    assert "no libnccl_ep.so" in flex.probe_nccl_ep()
+    _fake_te(monkeypatch)
+    monkeypatch.setattr(flex, "nccl_runtime_version", lambda: (2, 28, 9))
+    message = flex.probe_nccl_ep()
+    assert "NCCL 2.28.9 is loaded" in message and "2.32.3" in message and "LD_PRELOAD" in message
+    monkeypatch.setattr(flex, "nccl_runtime_version", lambda: (2, 32, 3))
+    assert flex.probe_nccl_ep() is None
+
+
+def test_nccl_runtime_version_reads_the_loaded_library():
+    import torch  # noqa: F401  (loads torch's libnccl.so.2 when it links one)
+
+    version = flex.nccl_runtime_version()
+    assert version is None or (version[0] == 2 and version >= (2, 18, 0))
+
+
+def test_ncclep_bootstrap_patch_passes_num_topk(monkeypatch):
+    """megatron's _NCCLEPManager._ensure_bootstrap -> (patched) ensure_nccl_ep_bootstrapped ->
+    TE's ep_bootstrap, which requires num_topk."""
+    import torch
+    from megatron.core.transformer.moe import token_dispatcher as upstream
+
+    ep = _fake_te(monkeypatch)
+    monkeypatch.setattr(flex, "nccl_runtime_version", lambda: flex.NCCL_EP_MIN_NCCL)
+    names = ["token_dispatcher.ncclep_bootstrap_topk", "token_dispatcher.ncclep_bootstrap"]
+    applied = patches.apply_patches([patches.get(n) for n in names], check=False)
+    try:
+        assert patches.patched_by(upstream.ensure_nccl_ep_bootstrapped) == "token_dispatcher.ncclep_bootstrap"
+        manager = upstream._NCCLEPManager.__new__(upstream._NCCLEPManager)
+        manager.__dict__.update(
+            _bootstrapped=False, num_local_tokens=100, router_topk=4, rank_capacity_factor=2.0, alignment=0,
+            group=object(), num_experts=16, hidden_dim=256, zero_copy=False,
+            config=types.SimpleNamespace(moe_flex_dispatcher_num_sms=None),
+        )
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False, raising=False)
+        manager._ensure_bootstrap()
+        assert ep.calls == [dict(num_experts=16, max_tokens_per_rank=128, hidden_dim=256, num_topk=4,
+                                 recv_capacity_per_rank=128 * 4 * 2, max_num_sms=0)]
+        with pytest.raises(flex.FlexBackendError, match="router top-k"):
+            upstream.ensure_nccl_ep_bootstrapped(object(), 16, 128, 1024, 256)
+    finally:
+        patches.revert(applied)
+    assert patches.patched_by(upstream.ensure_nccl_ep_bootstrapped) is None
+
+
+def test_manager_construction_checks_the_backend(deep_ep_package):
+    from megatron.core.transformer.moe import token_dispatcher as upstream
+
+    deep_ep_package("broken")
+    applied = patches.apply_patches([patches.get("token_dispatcher.deepep_check")], check=False)
+    try:
+        with pytest.raises(flex.FlexBackendError, match="libnvshmem_host.so.3"):
+            upstream._DeepepManager(group=None, num_local_experts=4, router_topk=2, num_experts=8, config=None)
+    finally:
+        patches.revert(applied)
+
+
+def test_patches_are_wanted_only_for_their_backend():
+    args = validated(flex_argv("ncclep", "--moe-expert-rank-capacity-factor", "2.0"), 2)
+    names = {p.name for p in patches.wanted(args)}
+    assert {"token_dispatcher.ncclep_check", "token_dispatcher.ncclep_bootstrap",
+            "token_dispatcher.ncclep_bootstrap_topk"} <= names
+    assert "token_dispatcher.deepep_check" not in names
+    plain = {p.name for p in patches.wanted(validated(tiny_argv("--expert-model-parallel-size", "2"), 2))}
+    assert not any(n.startswith("token_dispatcher.") for n in plain)
+    assert all(patches.get(n).kind == "compat" for n in names if n.startswith("token_dispatcher."))
+
+
+@pytest.mark.parametrize("backend", ["deepep", "ncclep"])
+def test_example_launcher_flags_pass_the_dry_run(backend):
+    import os
+    import subprocess
+
+    from tests.unit.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    env.update(DRY_RUN="1", PYTHON=sys.executable, BACKEND=backend, NGPUS="2")
+    proc = subprocess.run(["bash", os.path.join("examples", "pretrain_moe_deepep.sh")], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "expert model parallel (EP) ........ 2" in proc.stdout
+    assert "fork features enabled: flex-dispatch-backend-checks" in proc.stdout
+    expected = "deep_ep (DeepEP 567632d" if backend == "deepep" else "token_dispatcher.ncclep_bootstrap"
+    assert expected in proc.stdout
+    assert proc.stdout.rstrip().endswith("dry-run: OK")
