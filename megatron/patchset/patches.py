@@ -47,6 +47,7 @@ AREA_MODULES = (
     "megatron.patchset.cuda_graphs",
     "megatron.patchset.compile",
     "megatron.patchset.token_dispatcher",
+    "megatron.patchset.paged_stash",
 )
 
 
