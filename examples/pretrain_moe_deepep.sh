@@ -9,7 +9,11 @@
 #
 # DeepEP is built from source, never installed from a registry (docs/deepep.md):
 #   bash tools/build_deepep.sh <DeepEP 567632d source or archive> /opt/deepep && DEEPEP_PATH=/opt/deepep ...
-# NCCL EP: NCCL_LIB=<path to libnccl.so.2 of nvidia-nccl-cu13 2.32.3> is preloaded in place of torch's.
+# NCCL EP: NCCL_LIB=<path to libnccl.so.2 of nvidia-nccl-cu13 2.32.3> is preloaded in place of torch's,
+# and NCCL_INCLUDE=<folder with that NCCL's nccl.h and nccl_device.h> is exported as
+# NCCL_EP_JIT_BUILD_INCLUDE_DIR: NCCL EP compiles its kernels with nvcc at the first dispatch.
+# Without it TE looks for an nccl.h of the loaded version next to libnccl.so.2 (e.g. the wheel's
+# nvidia/nccl/include beside nvidia/nccl/lib); the launch fails at validation if there is none.
 #
 # Every knob is an environment variable with a default.
 set -euo pipefail
@@ -32,6 +36,7 @@ RANK_CAPACITY=${RANK_CAPACITY:-2.0} # ncclep/hybridep: --moe-expert-rank-capacit
 TRAIN_ITERS=${TRAIN_ITERS:-50}
 DEEPEP_PATH=${DEEPEP_PATH:-}        # DEST of tools/build_deepep.sh
 NCCL_LIB=${NCCL_LIB:-}              # libnccl.so.2 >= 2.32.3 for ncclep
+NCCL_INCLUDE=${NCCL_INCLUDE:-}      # ncclep: NCCL headers of NCCL_LIB's version (NCCL EP's kernel JIT)
 EXTRA=${EXTRA:-}
 
 # ---- arguments -----------------------------------------------------------------------
@@ -62,5 +67,6 @@ fi
 # ---- launch --------------------------------------------------------------------------
 [ -n "$DEEPEP_PATH" ] && export PYTHONPATH="$DEEPEP_PATH${PYTHONPATH:+:$PYTHONPATH}"
 [ -n "$NCCL_LIB" ] && export LD_PRELOAD="$NCCL_LIB${LD_PRELOAD:+:$LD_PRELOAD}"
+[ -n "$NCCL_INCLUDE" ] && export NCCL_EP_JIT_BUILD_INCLUDE_DIR="$NCCL_INCLUDE"
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NGPUS" pretrain_gpt.py \
   "${ALL_ARGS[@]}"

@@ -8,7 +8,8 @@ whose ``deep_ep.utils`` no longer exports ``EventOverlap``) is then reported as 
 when the first MoE layer is built, and the reason is lost. This module
 
 * probes each backend itself (:func:`probe_deep_ep`, :func:`probe_nccl_ep`) and reports the
-  original exception, the API megatron calls that is missing, or the runtime that is too old;
+  original exception, the API megatron calls that is missing, the runtime that is too old, or
+  (NCCL EP) NCCL headers that its kernel JIT will not find;
   the combination rules in ``arguments.py`` run the probes before any GPU work, and the patches
   below run them again where megatron builds the backend's manager, so that a model built outside
   ``pretrain_gpt.py`` fails with the same message. A requested backend is never replaced by the
@@ -27,8 +28,11 @@ import ctypes
 import importlib
 import inspect
 import logging
+import os
+import re
 import threading
-from typing import Any, Optional
+from pathlib import PurePosixPath
+from typing import Any, Mapping, Optional
 
 from megatron.patchset.patches import register
 
@@ -50,6 +54,15 @@ DEEPEP_GROUP_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 # incompatible"), so 2.32.3 is the real floor for the pinned stack.
 NCCL_EP_MIN_NCCL = (2, 32, 3)
 NCCL_EP_NCCL_WHEEL = "nvidia-nccl-cu13==2.32.3"
+# NCCL EP JIT-compiles its kernels with nvcc at the first dispatch, against the headers of NCCL
+# (nccl.h and the device API nccl_device.h + nccl_device/). Where they come from:
+# NCCL_EP_JIT_BUILD_INCLUDE_DIR, else $NCCL_HOME/include, else TE 2.20.2 looks for an nccl.h
+# whose version equals the loaded NCCL's (see nccl_jit_include_dir; docs/deepep.md).
+NCCL_INCLUDE_ENV = "NCCL_EP_JIT_BUILD_INCLUDE_DIR"
+NCCL_HOME_ENV = "NCCL_HOME"
+NCCL_JIT_HEADERS = ("nccl.h", "nccl_device.h")
+# Searched by TE after the folders around libnccl.so.2 and libtransformer_engine.so.
+NCCL_INCLUDE_FALLBACKS = ("/opt/nvidia/nccl/include", "/usr/local/nccl/include", "/usr/include")
 
 # What megatron-core 0.19.2 calls (fused_a2a.py): callable -> keyword parameters it passes.
 _DEEPEP_BUFFER_API = {
@@ -212,11 +225,169 @@ def nccl_upgrade_hint() -> str:
     )
 
 
+def _env_value(environ: Mapping[str, str], name: str) -> Optional[str]:
+    """The variable's value; TE treats an empty value like an unset one."""
+    value = environ.get(name)
+    return value if value else None
+
+
+_DEFINE = {field: re.compile(r"#define\s*NCCL_" + field + r"\s*([+-]?\d+)") for field in ("MAJOR", "MINOR", "PATCH")}
+
+
+def nccl_header_version(include_dir: str) -> Optional[int]:
+    """The version code (major * 10000 + minor * 100 + patch, as ``ncclGetVersion`` reports it)
+    that ``include_dir/nccl.h`` defines, or None when there is no such file or a field is missing.
+    The first ``#define NCCL_MAJOR/MINOR/PATCH <n>`` at the start of a line counts."""
+    found: dict = {}
+    try:
+        with open(os.path.join(include_dir, "nccl.h"), errors="replace") as header:
+            for line in header:
+                for field, pattern in _DEFINE.items():
+                    if field not in found:
+                        match = pattern.match(line)
+                        if match:
+                            found[field] = int(match.group(1))
+    except OSError:
+        return None
+    if len(found) < 3 or min(found.values()) < 0:
+        return None
+    return found["MAJOR"] * 10000 + found["MINOR"] * 100 + found["PATCH"]
+
+
+def _library_of_symbol(library: str, symbol: str) -> Optional[str]:
+    """The file (as the loader names it) that provides ``symbol`` of ``library`` in this process."""
+
+    class _DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:
+        address = ctypes.cast(getattr(ctypes.CDLL(library), symbol), ctypes.c_void_p).value
+        try:
+            dladdr = ctypes.CDLL(None).dladdr
+        except AttributeError:  # glibc < 2.34 keeps it in libdl
+            dladdr = ctypes.CDLL("libdl.so.2").dladdr
+        info = _DlInfo()
+        if not address or not dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return os.path.join(os.getcwd(), os.fsdecode(info.dli_fname))
+
+
+def _mapped_library(prefix: str) -> Optional[str]:
+    """Path of the first shared object mapped into this process whose file name starts with prefix."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[5:]
+                if path and os.path.basename(path[0]).startswith(prefix):
+                    return path[0]
+    except OSError:
+        pass
+    return None
+
+
+def _ancestor_include_dirs(library: Optional[str]) -> list[str]:
+    """For the folder of ``library`` and each folder above it (not ``/``): ``<dir>/include`` and
+    ``<dir>/nvidia/nccl/include`` (a pip ``nvidia-nccl-*`` wheel's layout)."""
+    if not library:
+        return []
+    out = []
+    directory = PurePosixPath(library).parent
+    while str(directory) not in ("", "."):
+        parent = directory.parent
+        if parent == directory:
+            break
+        out += [str(directory / "include"), str(directory / "nvidia" / "nccl" / "include")]
+        directory = parent
+    return out
+
+
+_DISCOVER = object()
+
+
+def nccl_include_candidates(nccl_library: Any = _DISCOVER, te_library: Any = _DISCOVER) -> list[str]:
+    """Where TE 2.20.2 looks for nccl.h when neither NCCL_EP_JIT_BUILD_INCLUDE_DIR nor NCCL_HOME
+    is set, in its order: around the libnccl.so.2 that provides ``ncclGetVersion`` (with
+    LD_PRELOAD, the preloaded one), around libtransformer_engine.so, then the fixed folders."""
+    if nccl_library is _DISCOVER:
+        nccl_library = _library_of_symbol("libnccl.so.2", "ncclGetVersion")
+    if te_library is _DISCOVER:
+        te_library = _mapped_library("libtransformer_engine.so")
+    out: list[str] = []
+    for path in _ancestor_include_dirs(nccl_library) + _ancestor_include_dirs(te_library) + list(NCCL_INCLUDE_FALLBACKS):
+        if path not in out:
+            out.append(path)
+    return out
+
+
+def _missing_headers(include_dir: str) -> list[str]:
+    return [name for name in NCCL_JIT_HEADERS if not os.path.isfile(os.path.join(include_dir, name))]
+
+
+def _code(version: tuple[int, int, int]) -> int:
+    return version[0] * 10000 + version[1] * 100 + version[2]
+
+
+def nccl_jit_include_dir(version: tuple[int, int, int], environ: Optional[Mapping[str, str]] = None,
+                         nccl_library: Any = _DISCOVER, te_library: Any = _DISCOVER) -> tuple[Optional[str], str]:
+    """The NCCL include folder NCCL EP's JIT will compile against, and how it was chosen, or
+    (None, why not). ``version`` is the loaded NCCL's.
+
+    NCCL_EP_JIT_BUILD_INCLUDE_DIR wins, then ``$NCCL_HOME/include`` (TE checks neither's version);
+    otherwise TE 2.20.2 (nccl_ep_provider.cpp, configure_nccl_include_dir) takes the first of
+    :func:`nccl_include_candidates` whose nccl.h has exactly the loaded version, and fails at
+    ``ep_initialize`` when there is none."""
+    environ = os.environ if environ is None else environ
+    explicit = _env_value(environ, NCCL_INCLUDE_ENV)
+    if explicit:
+        return explicit, f"{NCCL_INCLUDE_ENV}={explicit}"
+    home = _env_value(environ, NCCL_HOME_ENV)
+    if home:
+        return os.path.join(home, "include"), f"{NCCL_HOME_ENV}={home}"
+    candidates = nccl_include_candidates(nccl_library, te_library)
+    wanted = _code(version)
+    others = []
+    for candidate in candidates:
+        found = nccl_header_version(candidate)
+        if found == wanted:
+            return candidate, f"TE's search found nccl.h {_fmt(version)} there"
+        if found is not None:
+            others.append(f"{candidate} ({found // 10000}.{found // 100 % 100}.{found % 100})")
+    where = (f"the folders (and their parents) of {nccl_library or 'libnccl.so.2 (not located)'} and "
+             f"{te_library or 'libtransformer_engine.so (not loaded)'}, each with include/ and "
+             f"nvidia/nccl/include/, then {', '.join(NCCL_INCLUDE_FALLBACKS)}")
+    other = f"; nccl.h of other versions: {', '.join(others)}" if others else ""
+    return None, f"no nccl.h of NCCL {_fmt(version)} in {where}{other}"
+
+
+def nccl_jit_include_problem(version: tuple[int, int, int], environ: Optional[Mapping[str, str]] = None,
+                             nccl_library: Any = _DISCOVER, te_library: Any = _DISCOVER) -> Optional[str]:
+    """None when NCCL EP's JIT will find NCCL headers (nccl.h and nccl_device.h), else why not and
+    what to set. Checked before launch: TE only fails at the first dispatch (ep_initialize)."""
+    include_dir, how = nccl_jit_include_dir(version, environ, nccl_library, te_library)
+    fix = (f"set {NCCL_INCLUDE_ENV} to the folder holding nccl.h and nccl_device.h of NCCL {_fmt(version)} "
+           f"(the nvidia/nccl/include folder of the {NCCL_EP_NCCL_WHEEL} wheel), or {NCCL_HOME_ENV} to the "
+           f"folder above that include/ (docs/deepep.md)")
+    if include_dir is None:
+        return (f"TransformerEngine's NCCL EP compiles its kernels with nvcc at the first dispatch and needs "
+                f"the NCCL headers matching the loaded NCCL {_fmt(version)}, but {NCCL_INCLUDE_ENV} and "
+                f"{NCCL_HOME_ENV} are unset and there is {how}; TE would stop in ep_initialize with "
+                f"'Could not find NCCL headers matching runtime NCCL {_fmt(version)}'. {fix[0].upper()}{fix[1:]}.")
+    missing = _missing_headers(include_dir)
+    if missing:
+        return (f"TransformerEngine's NCCL EP JIT-compiles against the NCCL headers in {include_dir} "
+                f"({how}), but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not there; {fix}.")
+    return None
+
+
 def probe_nccl_ep(check_runtime: bool = True) -> Optional[str]:
     """None when TransformerEngine's NCCL EP can run here, else why not.
 
     Checks that ``transformer_engine.pytorch.ep`` imports (original exception otherwise), that TE
-    found its ``libnccl_ep.so``, and (``check_runtime``) that the loaded NCCL is new enough.
+    found its ``libnccl_ep.so``, and (``check_runtime``) that the loaded NCCL is new enough and
+    that NCCL EP's JIT will find that NCCL's headers (:func:`nccl_jit_include_problem`).
     """
     try:
         te_ep = importlib.import_module("transformer_engine.pytorch.ep")
@@ -249,6 +420,9 @@ def probe_nccl_ep(check_runtime: bool = True) -> Optional[str]:
                 f"built against NCCL {_fmt(NCCL_EP_MIN_NCCL)} and refuses an older runtime; "
                 f"{nccl_upgrade_hint()}."
             )
+        problem = nccl_jit_include_problem(found)
+        if problem:
+            return problem
     return None
 
 

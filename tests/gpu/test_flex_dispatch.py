@@ -8,9 +8,10 @@ iteration's loss must agree within 1% (relative) and the first iteration's withi
 
 DeepEP is built from source (tools/build_deepep.sh, docs/deepep.md); the DeepEP test skips when
 ``deep_ep`` is not importable. The NCCL EP test skips when the loaded NCCL is older than
-TransformerEngine 2.20.2's libnccl_ep.so needs (2.32.3; load a newer one with LD_PRELOAD), and a
-further test checks that pretrain_gpt.py then refuses the backend with that message instead of
-training with another dispatcher.
+TransformerEngine 2.20.2's libnccl_ep.so needs (2.32.3; load a newer one with LD_PRELOAD) or when
+NCCL EP's kernel JIT would not find that NCCL's headers (NCCL_INCLUDE=<include folder>, passed on
+as NCCL_EP_JIT_BUILD_INCLUDE_DIR), and a further test checks that pretrain_gpt.py on the old NCCL
+refuses the backend with that message instead of training with another dispatcher.
 """
 
 import importlib.util
@@ -76,12 +77,26 @@ def _nccl_ep_problem():
     return flex.probe_nccl_ep()
 
 
+def _nccl_ep_env(monkeypatch):
+    """NCCL_INCLUDE=<folder with nccl.h and nccl_device.h of the loaded NCCL> becomes
+    NCCL_EP_JIT_BUILD_INCLUDE_DIR for the probe and the runs (NCCL EP JIT-compiles its kernels
+    against it at the first dispatch); NCCL_EP_JIT_LOG=1 unless set, so the run's log shows the
+    compiles."""
+    env = {"NCCL_EP_JIT_LOG": os.environ.get("NCCL_EP_JIT_LOG", "1")}
+    include = os.environ.get("NCCL_INCLUDE")
+    if include:
+        monkeypatch.setenv("NCCL_EP_JIT_BUILD_INCLUDE_DIR", include)
+        env["NCCL_EP_JIT_BUILD_INCLUDE_DIR"] = include
+    return env
+
+
 @pytest.mark.gpus(2)
-def test_ncclep_matches_alltoall(tmp_path):
+def test_ncclep_matches_alltoall(tmp_path, monkeypatch):
+    env = _nccl_ep_env(monkeypatch)
     problem = _nccl_ep_problem()
     if problem:
         pytest.skip(f"NCCL EP cannot run here: {problem}")
-    run = launch(tmp_path, "flex_ncclep", 2, tiny_argv(*COMMON, *NCCLEP))
+    run = launch(tmp_path, "flex_ncclep", 2, tiny_argv(*COMMON, *NCCLEP), env=env)
     assert announced(run, "ncclep"), "the run did not build the NCCL EP dispatcher"
     compare(alltoall(tmp_path), run)
 

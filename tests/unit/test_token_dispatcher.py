@@ -230,7 +230,28 @@ def _fake_te(monkeypatch, *, library=True):
     return ep
 
 
-def test_nccl_ep_probe(monkeypatch):
+def write_nccl_headers(folder, version=(2, 32, 3), device=True):
+    """A stand-in NCCL include folder: nccl.h defining the version (and nccl_device.h)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    major, minor, patch = version
+    (folder / "nccl.h").write_text(f"#ifndef NCCL_H_\n#define NCCL_H_\n\n#define NCCL_MAJOR {major}\n"
+                                   f"#define NCCL_MINOR {minor}\n#define NCCL_PATCH  {patch}\n"
+                                   f"#define NCCL_SUFFIX \"\"\n#define NCCL_VERSION_CODE 0\n#endif\n")
+    if device:
+        (folder / "nccl_device.h").write_text("#pragma once\n")
+    return folder
+
+
+@pytest.fixture
+def nccl_jit_env(tmp_path, monkeypatch):
+    """NCCL EP's JIT pointed at stand-in NCCL 2.32.3 headers."""
+    monkeypatch.delenv("NCCL_HOME", raising=False)
+    folder = write_nccl_headers(tmp_path / "nccl-include")
+    monkeypatch.setenv("NCCL_EP_JIT_BUILD_INCLUDE_DIR", str(folder))
+    return folder
+
+
+def test_nccl_ep_probe(monkeypatch, nccl_jit_env):
     monkeypatch.setitem(sys.modules, "transformer_engine", None)
     assert "does not import" in flex.probe_nccl_ep()
     _fake_te(monkeypatch, library=False)
@@ -250,7 +271,86 @@ def test_nccl_runtime_version_reads_the_loaded_library():
     assert version is None or (version[0] == 2 and version >= (2, 18, 0))
 
 
-def test_ncclep_bootstrap_patch_passes_num_topk(monkeypatch):
+# --- NCCL headers for NCCL EP's kernel JIT ---------------------------------------------------
+
+
+def test_nccl_header_version(tmp_path):
+    assert flex.nccl_header_version(str(write_nccl_headers(tmp_path / "a", (2, 32, 3)))) == 23203
+    assert flex.nccl_header_version(str(write_nccl_headers(tmp_path / "b", (2, 28, 9)))) == 22809
+    assert flex.nccl_header_version(str(tmp_path / "none")) is None
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "nccl.h").write_text("#define NCCL_MAJOR 2\n#define NCCL_MINOR 32\n")  # no patch
+    assert flex.nccl_header_version(str(tmp_path / "c")) is None
+    (tmp_path / "d").mkdir()  # the first definition of each field counts; indented ones do not
+    (tmp_path / "d" / "nccl.h").write_text("  #define NCCL_MAJOR 9\n#define NCCL_MAJOR 2\n#define NCCL_MINOR 30\n"
+                                           "#define NCCL_PATCH 4\n#define NCCL_PATCH 7\n")
+    assert flex.nccl_header_version(str(tmp_path / "d")) == 23004
+
+
+def test_nccl_include_candidates_follow_te_order():
+    got = flex.nccl_include_candidates("/data/x/nvidia/nccl/lib/libnccl.so.2", "/data/x/transformer_engine/libte.so")
+    assert got[:6] == ["/data/x/nvidia/nccl/lib/include", "/data/x/nvidia/nccl/lib/nvidia/nccl/include",
+                       "/data/x/nvidia/nccl/include", "/data/x/nvidia/nccl/nvidia/nccl/include",
+                       "/data/x/nvidia/include", "/data/x/nvidia/nvidia/nccl/include"]
+    assert "/include" not in got and "/nvidia/nccl/include" not in got  # never the root folder
+    assert got.count("/data/x/include") == 1  # shared ancestors once, in the first library's place
+    assert got.index("/data/x/include") < got.index("/data/x/transformer_engine/include")
+    assert got[-3:] == ["/opt/nvidia/nccl/include", "/usr/local/nccl/include", "/usr/include"]
+    # /opt's own nvidia/nccl/include is an ancestor candidate first, and listed once
+    got = flex.nccl_include_candidates("/opt/nccl/lib/libnccl.so.2", None)
+    assert got.index("/opt/nvidia/nccl/include") == 5 and got.count("/opt/nvidia/nccl/include") == 1
+    assert flex.nccl_include_candidates(None, None) == list(flex.NCCL_INCLUDE_FALLBACKS)
+
+
+def test_nccl_headers_found_next_to_the_loaded_nccl(tmp_path):
+    lib = tmp_path / "site" / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    write_nccl_headers(tmp_path / "site" / "nvidia" / "nccl" / "include", (2, 28, 9))  # torch's, too old
+    te = str(tmp_path / "site" / "transformer_engine" / "wheel_lib" / "libtransformer_engine.so")
+    assert flex.nccl_jit_include_problem((2, 28, 9), {}, str(lib), te) is None
+    message = flex.nccl_jit_include_problem((2, 32, 3), {}, str(lib), te)
+    assert "NCCL_EP_JIT_BUILD_INCLUDE_DIR" in message and "NCCL_HOME" in message
+    assert "matching runtime NCCL 2.32.3" in message and "(2.28.9)" in message and str(lib) in message
+    good = write_nccl_headers(tmp_path / "site" / "include", (2, 32, 3))  # an ancestor's include/
+    assert flex.nccl_jit_include_dir((2, 32, 3), {}, str(lib), te)[0] == str(good)
+    assert flex.nccl_jit_include_problem((2, 32, 3), {}, str(lib), te) is None
+    (good / "nccl_device.h").unlink()  # found by its version, but the JIT includes the device API
+    assert "nccl_device.h is not there" in flex.nccl_jit_include_problem((2, 32, 3), {}, str(lib), te)
+
+
+def test_nccl_header_variables_take_precedence(tmp_path):
+    lib, te = str(tmp_path / "lib" / "libnccl.so.2"), None
+    explicit = write_nccl_headers(tmp_path / "explicit", (2, 32, 3))
+    home = write_nccl_headers(tmp_path / "home" / "include", (2, 32, 3)).parent
+    env = {"NCCL_EP_JIT_BUILD_INCLUDE_DIR": str(explicit), "NCCL_HOME": str(tmp_path / "nowhere")}
+    assert flex.nccl_jit_include_dir((2, 32, 3), env, lib, te)[0] == str(explicit)
+    assert flex.nccl_jit_include_problem((2, 32, 3), env, lib, te) is None
+    assert flex.nccl_jit_include_dir((2, 32, 3), {"NCCL_HOME": str(home)}, lib, te)[0] == str(home / "include")
+    assert flex.nccl_jit_include_problem((2, 32, 3), {"NCCL_HOME": str(home)}, lib, te) is None
+    message = flex.nccl_jit_include_problem((2, 32, 3), {"NCCL_HOME": str(tmp_path / "nowhere")}, lib, te)
+    assert "nccl.h and nccl_device.h are not there" in message and "NCCL_HOME=" in message
+    message = flex.nccl_jit_include_problem((2, 32, 3), {"NCCL_EP_JIT_BUILD_INCLUDE_DIR": str(tmp_path)}, lib, te)
+    assert f"headers in {tmp_path} (NCCL_EP_JIT_BUILD_INCLUDE_DIR=" in message
+    empty = {"NCCL_EP_JIT_BUILD_INCLUDE_DIR": "", "NCCL_HOME": ""}  # empty counts as unset, as in TE
+    assert "are unset" in flex.nccl_jit_include_problem((2, 32, 3), empty, lib, te)
+
+
+def test_nccl_ep_probe_reports_missing_headers_before_launch(monkeypatch, tmp_path):
+    args = validated(flex_argv("ncclep", "--moe-expert-rank-capacity-factor", "2.0"), 2)  # before the fake TE
+    _fake_te(monkeypatch)
+    monkeypatch.setattr(flex, "nccl_runtime_version", lambda: (2, 32, 3))
+    monkeypatch.delenv("NCCL_HOME", raising=False)
+    monkeypatch.setenv("NCCL_EP_JIT_BUILD_INCLUDE_DIR", str(tmp_path / "missing"))
+    assert "nccl.h and nccl_device.h are not there" in flex.probe_nccl_ep()
+    assert flex.probe_nccl_ep(check_runtime=False) is None  # the dry run does not look at this machine
+    with pytest.raises(ps_args.PatchsetArgumentError) as failed:
+        ps_args.validate(args, "combination", config=None)
+    failures = {rule.name: message for rule, message in failed.value.failures}
+    assert "NCCL_EP_JIT_BUILD_INCLUDE_DIR" in failures["flex-backend-installed"]
+    write_nccl_headers(tmp_path / "missing")
+    assert flex.probe_nccl_ep() is None
+
+
+def test_ncclep_bootstrap_patch_passes_num_topk(monkeypatch, nccl_jit_env):
     """megatron's _NCCLEPManager._ensure_bootstrap -> (patched) ensure_nccl_ep_bootstrapped ->
     TE's ep_bootstrap, which requires num_topk."""
     import torch
