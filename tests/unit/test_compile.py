@@ -375,3 +375,33 @@ def test_aux_loss_grad_op_keeps_the_loss_shape():
         torch.library.opcheck(op, (torch.tensor(3.0), torch.tensor(1.0)))
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved
+
+
+def test_aux_loss_backward_compiles_with_inductor_on_cpu():
+    """Inductor checks the custom op's real output against its fake (the check that failed on
+    the first GPU run, reproduced here on the CPU): compiled forward+backward through megatron's
+    aux-loss scaler with the schedule's shape-[1] scale gives eager's gradients."""
+    import torch
+
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.patchset import patches
+
+    names = patches.apply_patches([patches.get("compile.aux_loss_backward_opaque")])
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    try:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.full((1,), 0.5)
+
+        def step(x, w):
+            h = x @ w
+            aux = (h.float() ** 2).mean()
+            return MoEAuxLossAutoScaler.apply(h, aux).sum()
+
+        x, w = torch.randn(8, 4), torch.randn(4, 4, requires_grad=True)
+        torch.compile(step, backend="inductor")(x, w).backward()
+        compiled = w.grad.clone()
+        w.grad = None
+        step(x, w).backward()
+        torch.testing.assert_close(compiled, w.grad)
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
+        patches.revert(names)
