@@ -23,6 +23,9 @@ COMPILE = ("--compile-transformer-layers",)
 FIRST_LOSS_ATOL = 0.01
 LOSS_ATOL = 0.05
 GRAD_NORM_RTOL = 0.10
+# Inductor draws its own random numbers: with dropout the masks (not the arithmetic) would differ
+# from eager's (measured on the CPU: 7% loss differences with dropout 0.1, <0.1% without).
+NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
 FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
         "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor")
 # Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1, which launch() sets by default.
@@ -48,7 +51,7 @@ def runs(tmp_path_factory):
     for name, (nproc, extra, env) in LAYOUTS.items():
         if gpu_count() < nproc:
             continue
-        argv = tiny_argv("--train-iters", str(ITERS), *extra)
+        argv = tiny_argv("--train-iters", str(ITERS), *NO_DROPOUT, *extra)
         jobs.append(dict(tmp_path=tmp, name=f"{name}_eager", nproc=nproc, argv=argv, env=env))
         jobs.append(dict(tmp_path=tmp, name=f"{name}_compiled", nproc=nproc, argv=argv + list(COMPILE), env=env))
     return launch_many(jobs)
