@@ -42,6 +42,7 @@ KINDS = ("compat", "observe", "feature")
 AREA_MODULES = (
     "megatron.patchset.datasets",
     "megatron.patchset.training",
+    "megatron.patchset.profiling",
     "megatron.patchset.schedule_plan",
     "megatron.patchset.megatron_fsdp",
     "megatron.patchset.cuda_graphs",

@@ -1,0 +1,515 @@
+"""One profiled training iteration: where the host time of a step goes (``tools/profile_step.py``).
+
+``training.profile_step`` (observe only): with ``MEGATRON_PATCHSET_PROFILE=<dir>:<N>`` set,
+megatron's ``train_step`` runs iteration ``N`` (1-based, as in megatron's log lines) under
+``torch.profiler`` (CPU activity, plus CUDA when a GPU is visible; no shapes, no stacks). For
+that one call only, megatron's MoE and attention methods run inside ``record_function`` labels
+named ``ps:<category>[/<detail>]:<layer>``; every label is removed again afterwards, so the
+other iterations run the unmodified code. Rank 0 writes ``<dir>/trace.json`` (a chrome trace,
+open it in Perfetto) and ``<dir>/summary.json``, the reduction below.
+
+How host time is attributed (:func:`summarize_trace`):
+
+* The step is the ``ps:step`` label around ``train_step``; its duration is the host time.
+* Forward: a CPU event belongs to the innermost ``ps:`` label around it on its thread.
+* Backward: autograd records the forward op's sequence number on the backward node
+  (``autograd::engine::evaluate_function: ...``); the node inherits the category and layer of
+  the forward op with that number (the last one to start: the op that created the node).
+* The step's timeline (all threads) is painted with the innermost (latest-started) tagged
+  interval covering each instant; whatever no label covers is ``other``. The categories
+  therefore add up to the step's host time.
+* CUDA runtime/driver calls are counted for the category painted at their start on their own
+  thread: kernel launches (``*LaunchKernel*``), device-to-host synchronisations
+  (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking
+  ``cudaMemcpy``); kernels are tied to their launch by the correlation id.
+* GPU busy time is the union of kernel, memcpy and memset intervals inside the GPU window
+  (from the start of the step to the later of its host end and the last GPU activity); idle
+  is the rest of that window. The GPU is synchronised before the profiled step starts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import functools
+import heapq
+import json
+import os
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Optional
+
+from megatron.patchset.patches import register
+
+PROFILE_ENV = "MEGATRON_PATCHSET_PROFILE"
+LABEL_PREFIX = "ps:"
+STEP_LABEL = "ps:step"
+
+# Table order and the names a Megatron MoE engineer knows them by.
+CATEGORIES = {
+    "attention": "attention (self-attention block)",
+    "router": "router (gating, top-k, aux loss)",
+    "dispatch": "token dispatch (preprocess, all-to-all, D2H splits)",
+    "permutation": "permutation / unpermutation",
+    "expert": "expert compute (grouped GEMM, split sizes)",
+    "combine": "combine (all-to-all back, postprocess)",
+    "grad_sync": "gradient reduction (finalize_model_grads)",
+    "optimizer": "optimizer step",
+    "other": "other (embedding, norms, loss, schedule, untagged)",
+}
+MOE_CATEGORIES = ("router", "dispatch", "permutation", "expert", "combine")
+
+SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+SCALAR_OPS = {"aten::_local_scalar_dense"}
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+RUNTIME_CATS = {"cuda_runtime", "cuda_driver"}
+BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+
+
+def profile_request() -> Optional[tuple[str, int]]:
+    """(output folder, 1-based iteration) from ``MEGATRON_PATCHSET_PROFILE``, or None."""
+    value = os.environ.get(PROFILE_ENV)
+    if not value:
+        return None
+    folder, sep, number = value.rpartition(":")
+    if not sep or not folder or not number.isdigit() or int(number) < 1:
+        raise ValueError(f"{PROFILE_ENV}={value!r}: expected <dir>:<iteration>, iteration >= 1")
+    return folder, int(number)
+
+
+# ---------------------------------------------------------------------------------------
+# Labels installed for the profiled iteration only
+# ---------------------------------------------------------------------------------------
+
+
+def label(category: str, detail: str = "", layer: Any = None) -> str:
+    name = category + (f"/{detail}" if detail else "")
+    return f"{LABEL_PREFIX}{name}:{'' if layer is None else layer}"
+
+
+def parse_label(name: str) -> Optional[tuple[str, str, Optional[int]]]:
+    """(category, detail, layer) of a ``ps:`` label; None for other names and the step."""
+    if not name.startswith(LABEL_PREFIX) or name == STEP_LABEL:
+        return None
+    body, _, layer = name[len(LABEL_PREFIX):].rpartition(":")
+    if not body:
+        return None
+    category, _, detail = body.partition("/")
+    return category, detail, int(layer) if layer.lstrip("-").isdigit() else None
+
+
+_current_layer: list = [None]
+
+
+def _labelled(original: Callable, category: str, detail: str, *, sets_layer: bool) -> Callable:
+    import torch
+
+    @functools.wraps(original)
+    def run(*args, **kwargs):
+        owner = args[0] if args else None
+        layer = getattr(owner, "layer_number", None) if sets_layer else _current_layer[-1]
+        if sets_layer:
+            _current_layer.append(layer)
+        try:
+            with torch.profiler.record_function(label(category, detail, layer)):
+                return original(*args, **kwargs)
+        finally:
+            if sets_layer:
+                _current_layer.pop()
+
+    return run
+
+
+# (module, owner, attribute, category, detail, sets_layer): methods are wrapped on their class.
+_METHOD_LABELS = (
+    ("megatron.core.transformer.attention", "Attention", "forward", "attention", "", True),
+    ("megatron.core.transformer.multi_latent_attention", "MultiLatentAttention", "forward", "attention", "mla", True),
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "route", "router", "", True),
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "preprocess", "dispatch", "preprocess", True),
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "dispatch", "dispatch", "all-to-all", True),
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "shared_experts_compute", "expert", "shared", True),
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "routed_experts_compute", "expert", "routed", True),
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "combine", "combine", "all-to-all", True),
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "postprocess", "combine", "postprocess", True),
+    ("megatron.core.transformer.moe.token_dispatcher", None, "permute", "permutation", "permute", False),
+    ("megatron.core.transformer.moe.token_dispatcher", None, "unpermute", "permutation", "unpermute", False),
+    ("megatron.core.transformer.moe.token_dispatcher", None, "sort_chunks_by_idxs", "permutation", "sort_chunks", False),
+)
+
+
+class Labels:
+    """Installs the ``record_function`` labels; :meth:`remove` puts every original back."""
+
+    def __init__(self, optimizer: Any = None, config: Any = None):
+        import importlib
+
+        self._undo: list[Callable[[], None]] = []
+        for module_name, owner_name, attr, category, detail, sets_layer in _METHOD_LABELS:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            owner = module if owner_name is None else getattr(module, owner_name, None)
+            if owner is None or not hasattr(owner, attr):
+                continue
+            self._wrap(owner, attr, lambda f, c=category, d=detail, s=sets_layer: _labelled(f, c, d, sets_layer=s))
+        if optimizer is not None and hasattr(optimizer, "step"):
+            self._wrap(optimizer, "step", lambda f: _labelled(f, "optimizer", "", sets_layer=False))
+        if config is not None and getattr(config, "finalize_model_grads_func", None) is not None:
+            self._wrap(config, "finalize_model_grads_func",
+                       lambda f: _labelled(f, "grad_sync", "", sets_layer=False))
+
+    def _wrap(self, owner: Any, attr: str, make: Callable[[Callable], Callable]) -> None:
+        own = vars(owner) if hasattr(owner, "__dict__") else {}
+        had_own = attr in own
+        saved = own.get(attr) if had_own else None
+        setattr(owner, attr, make(getattr(owner, attr)))
+
+        def undo():
+            if had_own:
+                setattr(owner, attr, saved)
+            else:
+                delattr(owner, attr)
+
+        self._undo.append(undo)
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+# ---------------------------------------------------------------------------------------
+# Reduction of a chrome trace to the summary
+# ---------------------------------------------------------------------------------------
+
+
+def union_length(intervals: Iterable[tuple[float, float]], lo: float = float("-inf"),
+                 hi: float = float("inf")) -> float:
+    """Total length covered by the intervals (clipped to [lo, hi]), overlaps counted once."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo))
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in clipped:
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def paint(intervals: list[tuple[float, float, Any]]) -> list[tuple[float, float, Any]]:
+    """Elementary segments (start, end, tag): each instant gets the tag of the covering interval
+    that started last (the innermost, for nested intervals); uncovered instants are left out."""
+    points = sorted({p for a, b, _ in intervals for p in (a, b)})
+    by_start = sorted(((a, b, i) for i, (a, b, _) in enumerate(intervals)))
+    active: list = []  # heap of (-start, end, -index, index): latest start, then shortest
+    out: list[tuple[float, float, Any]] = []
+    k = 0
+    for left, right in zip(points, points[1:]):
+        while k < len(by_start) and by_start[k][0] <= left:
+            a, b, i = by_start[k]
+            heapq.heappush(active, (-a, b, -i, i))
+            k += 1
+        while active and active[0][1] <= left:
+            heapq.heappop(active)
+        if not active:
+            continue
+        # Entries that ended may hide below the top; the top itself is live here.
+        tag = intervals[active[0][3]][2]
+        if out and out[-1][1] == left and out[-1][2] == tag:
+            out[-1] = (out[-1][0], right, tag)
+        else:
+            out.append((left, right, tag))
+    return out
+
+
+def _lookup(segments: list[tuple[float, float, Any]], starts: list[float], t: float) -> Any:
+    i = bisect.bisect_right(starts, t) - 1
+    if i >= 0 and segments[i][0] <= t < segments[i][1]:
+        return segments[i][2]
+    return None
+
+
+def _end(e: dict) -> float:
+    return float(e["ts"]) + float(e.get("dur") or 0.0)
+
+
+def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
+    """The summary of one profiled step from chrome-trace events (``traceEvents``)."""
+    complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    steps = [e for e in complete if e.get("name") == STEP_LABEL]
+    if not steps:
+        raise ValueError(f"no {STEP_LABEL!r} event in the trace")
+    step = max(steps, key=lambda e: float(e.get("dur") or 0))
+    lo, hi = float(step["ts"]), _end(step)
+    host_pid = step.get("pid")
+
+    def inside(e):
+        return lo <= float(e["ts"]) < hi
+
+    # Forward labels, per thread.
+    tagged: list[tuple[float, float, tuple]] = []
+    per_thread: dict[Any, list] = defaultdict(list)
+    for e in complete:
+        parsed = parse_label(e.get("name", ""))
+        if parsed and e.get("cat") == "user_annotation" and inside(e):
+            category, detail, layer = parsed
+            item = (float(e["ts"]), min(_end(e), hi), (category, detail, layer, "fwd"))
+            tagged.append(item)
+            per_thread[e.get("tid")].append(item)
+    fwd_paint = {tid: paint(items) for tid, items in per_thread.items()}
+    fwd_starts = {tid: [s[0] for s in segs] for tid, segs in fwd_paint.items()}
+
+    # Forward op sequence numbers -> tag; backward nodes inherit it.
+    cpu_ops = [e for e in complete if e.get("cat") == "cpu_op" and inside(e)]
+    by_seq: dict[int, tuple[float, tuple]] = {}
+    for e in cpu_ops:
+        seq = (e.get("args") or {}).get("Sequence number")
+        if seq is None or e["name"].startswith(BACKWARD_PREFIX) or e.get("tid") not in fwd_paint:
+            continue
+        tag = _lookup(fwd_paint[e["tid"]], fwd_starts[e["tid"]], float(e["ts"]))
+        if tag is not None and (seq not in by_seq or float(e["ts"]) >= by_seq[seq][0]):
+            by_seq[seq] = (float(e["ts"]), tag)
+    for e in cpu_ops:
+        seq = (e.get("args") or {}).get("Sequence number")
+        if e["name"].startswith(BACKWARD_PREFIX) and seq in by_seq:
+            category, detail, layer, _ = by_seq[seq][1]
+            item = (float(e["ts"]), min(_end(e), hi), (category, detail, layer, "bwd"))
+            tagged.append(item)
+            per_thread[e.get("tid")].append(item)
+
+    timeline = paint(tagged)
+    thread_paint = {tid: paint(items) for tid, items in per_thread.items()}
+    thread_starts = {tid: [s[0] for s in segs] for tid, segs in thread_paint.items()}
+
+    def tag_of(e):
+        tid = e.get("tid")
+        if tid not in thread_paint:
+            return None
+        return _lookup(thread_paint[tid], thread_starts[tid], float(e["ts"]))
+
+    blank = {"host_us": 0.0, "fwd_host_us": 0.0, "bwd_host_us": 0.0, "launches": 0, "syncs": 0,
+             "sync_us": 0.0, "scalar_reads": 0, "gpu_kernel_us": 0.0}
+    cats: dict[str, dict] = {name: dict(blank) for name in CATEGORIES}
+    layers: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    details: dict[str, float] = defaultdict(float)
+
+    def bucket(tag) -> dict:
+        name = tag[0] if tag and tag[0] in cats else "other"
+        return cats[name]
+
+    covered = 0.0
+    for a, b, tag in timeline:
+        span = b - a
+        covered += span
+        c = bucket(tag)
+        c["host_us"] += span
+        c["fwd_host_us" if tag[3] == "fwd" else "bwd_host_us"] += span
+        if tag[2] is not None:
+            layers[str(tag[2])][tag[0]] += span
+        details[tag[0] + (f"/{tag[1]}" if tag[1] else "") + f" ({tag[3]})"] += span
+    cats["other"]["host_us"] += (hi - lo) - covered
+
+    launches = syncs = graph_launches = scalar_reads = 0
+    correlation: dict[Any, str] = {}
+    for e in complete:
+        if e.get("cat") not in RUNTIME_CATS or not inside(e):
+            continue
+        tag = tag_of(e)
+        c = bucket(tag)
+        name = e.get("name", "")
+        if "LaunchKernel" in name:
+            launches += 1
+            c["launches"] += 1
+        elif "GraphLaunch" in name:
+            graph_launches += 1
+            c["launches"] += 1
+        if name in SYNC_CALLS:
+            syncs += 1
+            c["syncs"] += 1
+            c["sync_us"] += float(e.get("dur") or 0)
+        corr = (e.get("args") or {}).get("correlation")
+        if corr is not None:
+            correlation[corr] = tag[0] if tag and tag[0] in cats else "other"
+    for e in cpu_ops:
+        if e.get("name") in SCALAR_OPS:
+            scalar_reads += 1
+            bucket(tag_of(e))["scalar_reads"] += 1
+
+    device = [e for e in complete if e.get("cat") in DEVICE_CATS and _end(e) > lo]
+    gpu_hi = max([hi] + [_end(e) for e in device])
+    busy = union_length(((float(e["ts"]), _end(e)) for e in device), lo, gpu_hi)
+    d2h = sum(1 for e in device if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", ""))
+    for e in device:
+        if e.get("cat") == "kernel":
+            corr = (e.get("args") or {}).get("correlation")
+            cats[correlation.get(corr, "other")]["gpu_kernel_us"] += float(e.get("dur") or 0)
+
+    ms = 1e-3
+    categories = {}
+    for name, c in cats.items():
+        categories[name] = {
+            "host_ms": c["host_us"] * ms, "fwd_host_ms": c["fwd_host_us"] * ms,
+            "bwd_host_ms": c["bwd_host_us"] * ms, "launches": c["launches"], "syncs": c["syncs"],
+            "sync_ms": c["sync_us"] * ms, "scalar_reads": c["scalar_reads"],
+            "gpu_kernel_ms": c["gpu_kernel_us"] * ms,
+        }
+    return {
+        "version": 1,
+        **(meta or {}),
+        "host_pid": host_pid,
+        "step_host_ms": (hi - lo) * ms,
+        "gpu_window_ms": (gpu_hi - lo) * ms,
+        "gpu_busy_ms": busy * ms,
+        "gpu_idle_ms": ((gpu_hi - lo) - busy) * ms if device else None,
+        "gpu_events": len(device),
+        "kernel_launches": launches,
+        "graph_launches": graph_launches,
+        "d2h_syncs": syncs,
+        "d2h_copies": d2h,
+        "scalar_reads": scalar_reads,
+        "categories": categories,
+        "layers": {k: {c: v * ms for c, v in sorted(d.items())} for k, d in
+                   sorted(layers.items(), key=lambda kv: int(kv[0]))},
+        "details_ms": {k: v * ms for k, v in sorted(details.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """Markdown: the category table, the step totals and the per-layer MoE breakdown."""
+    step = summary["step_host_ms"]
+    gpu = summary.get("gpu_events", 0) > 0
+    head = ["category", "host ms", "% of step", "fwd (or call) ms", "bwd ms", "kernel launches",
+            "D2H syncs", "item/tolist", "GPU kernel ms"]
+    rows = [head]
+    for name, title in CATEGORIES.items():
+        c = summary["categories"].get(name)
+        if c is None:
+            continue
+        rows.append([title, f"{c['host_ms']:.2f}", f"{100 * c['host_ms'] / step:.1f}%" if step else "-",
+                     f"{c['fwd_host_ms']:.2f}", f"{c['bwd_host_ms']:.2f}", str(c["launches"]),
+                     str(c["syncs"]), str(c["scalar_reads"]), f"{c['gpu_kernel_ms']:.2f}" if gpu else "-"])
+    lines = [_markdown(rows), ""]
+    facts = [
+        f"host time of the step: {step:.2f} ms",
+        (f"GPU busy: {summary['gpu_busy_ms']:.2f} ms, idle: {summary['gpu_idle_ms']:.2f} ms "
+         f"of a {summary['gpu_window_ms']:.2f} ms window ({100 * summary['gpu_idle_ms'] / summary['gpu_window_ms']:.1f}% idle)")
+        if gpu else "GPU: no CUDA activity recorded (CPU run)",
+        f"kernel launches: {summary['kernel_launches']}" + (
+            f" (+{summary['graph_launches']} CUDA graph launches)" if summary.get("graph_launches") else ""),
+        f"device-to-host syncs: {summary['d2h_syncs']} (D2H copies {summary['d2h_copies']}, "
+        f"aten::_local_scalar_dense {summary['scalar_reads']})",
+    ]
+    lines += [f"* {f}" for f in facts]
+    if summary.get("layers"):
+        cols = ["attention", *MOE_CATEGORIES]
+        table = [["layer", *cols, "total"]]
+        for layer, values in summary["layers"].items():
+            table.append([layer, *(f"{values.get(c, 0.0):.2f}" for c in cols),
+                          f"{sum(values.values()):.2f}"])
+        lines += ["", "Host ms per layer (forward and backward):", "", _markdown(table)]
+    return "\n".join(lines)
+
+
+def _markdown(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["| " + " | ".join(c.ljust(widths[i]) for i, c in enumerate(r)) + " |" for r in rows]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------
+# The patch
+# ---------------------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def _meta(iteration: int) -> dict:
+    import torch
+
+    meta: dict = {"iteration": iteration, "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        meta["device"] = torch.cuda.get_device_name(0)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        meta["world_size"] = torch.distributed.get_world_size()
+    try:
+        from megatron.training import get_args
+
+        args = get_args()
+        for key in ("micro_batch_size", "global_batch_size", "seq_length", "num_layers", "hidden_size",
+                    "num_experts", "moe_router_topk", "moe_token_dispatcher_type",
+                    "expert_model_parallel_size", "tensor_model_parallel_size"):
+            meta[key] = getattr(args, key, None)
+    except Exception:  # megatron's globals are not set (tests)
+        pass
+    return meta
+
+
+def profile_call(step: Callable, folder: str, iteration: int, *, optimizer=None, config=None) -> Any:
+    """Run ``step()`` once under the profiler with the labels; rank 0 writes the trace and summary."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    labels = Labels(optimizer=optimizer, config=config)
+    try:
+        with profile(activities=activities, record_shapes=False, with_stack=False,
+                     profile_memory=False) as prof:
+            with record_function(STEP_LABEL):
+                result = step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    finally:
+        labels.remove()
+    if _rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        trace = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as handle:
+            events = json.load(handle).get("traceEvents", [])
+        summary = summarize_trace(events, meta={**_meta(iteration), "trace": trace})
+        with open(os.path.join(folder, "summary.json"), "w") as handle:
+            json.dump(summary, handle, indent=1)
+    return result
+
+
+@register(
+    "training.profile_step",
+    "megatron.training.training.train_step",
+    reason="profile one training iteration (host time by MoE stage, launches, syncs, GPU idle) "
+           "for tools/profile_step.py",
+    upstream_pr="fork-only (instrumentation)",
+    flags=(f"env {PROFILE_ENV}",),
+    enabled=lambda args: profile_request() is not None,
+    wraps=True,
+    kind="observe",
+)
+def _wrap_train_step(original):
+    calls = [0]
+
+    @functools.wraps(original)
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                   forward_backward_func, *args, **kwargs):
+        calls[0] += 1
+        request = profile_request()
+        iteration = kwargs.get("iteration", args[0] if args else None)
+        number = calls[0] if iteration is None else int(iteration) + 1
+        call = functools.partial(original, forward_step_func, data_iterator, model, optimizer,
+                                 opt_param_scheduler, config, forward_backward_func, *args, **kwargs)
+        if request is None or number != request[1]:
+            return call()
+        return profile_call(call, request[0], number, optimizer=optimizer, config=config)
+
+    return train_step
