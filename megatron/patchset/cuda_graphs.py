@@ -256,13 +256,16 @@ def _graphed_step_with_hooks(module: torch.nn.Module, step: Callable, args: tupl
     wraps=True,
 )
 def _call(original):
+    from megatron.core.transformer.module import GraphableMegatronModule
+
     def __call__(self, *args, **kwargs):
-        if not self._should_call_local_cudagraph(*args, **kwargs) and self._should_call_te_cudagraph(
-            *args, **kwargs
-        ):
+        # upstream's three branches, each predicate evaluated once (this runs on every layer call)
+        if self._should_call_local_cudagraph(*args, **kwargs):
+            return original(self, *args, **kwargs)
+        if self._should_call_te_cudagraph(*args, **kwargs):
             step = self._te_cuda_graph_replay if self.cuda_graphs else self._te_cuda_graph_capture
             return _graphed_step_with_hooks(self, step, args, kwargs)
-        return original(self, *args, **kwargs)
+        return super(GraphableMegatronModule, self).__call__(*args, **kwargs)
 
     return __call__
 
