@@ -1,6 +1,7 @@
-"""Shared helpers for the CPU tests: megatron's real parser, the example configs."""
+"""Shared helpers for the CPU tests: megatron's real parser, the example configs and launchers."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -52,3 +53,20 @@ def validated(argv, world_size=1):
     with target_device(), contextlib.redirect_stdout(io.StringIO()):
         validate_args(args, {})
     return args
+
+
+def run_example(path, env=None, *, drop=()):
+    """Run an example launcher (``bash <path>`` from the repository root) with this interpreter
+    as its PYTHON. The calling shell's Slurm and torchrun variables (``SLURM_*``, ``WORLD_SIZE``)
+    and the names in ``drop`` are left out of its environment; ``env`` is added."""
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("SLURM_") and k != "WORLD_SIZE" and k not in drop}
+    environ["PYTHON"] = sys.executable
+    environ.update(env or {})
+    return subprocess.run(["bash", os.path.join(ROOT, path)], capture_output=True, text=True,
+                          env=environ, cwd=ROOT, timeout=300)
+
+
+def dry_run_example(path, *, drop=(), **knobs):
+    """``run_example`` in the launcher's ``DRY_RUN=1`` mode, with knobs as environment variables."""
+    return run_example(path, {"DRY_RUN": "1", **knobs}, drop=drop)

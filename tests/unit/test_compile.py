@@ -343,12 +343,9 @@ def test_compiled_two_processes_expert_parallel(tmp_path):
 
 @pytest.mark.parametrize("knobs", [{}, {"FSDP": "1"}, {"COMPILE": "0"}])
 def test_example_script_dry_run(knobs):
-    import subprocess
+    from tests.unit.conftest import dry_run_example
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, DRY_RUN="1", NGPUS="2", PYTHON=sys.executable, **knobs)
-    proc = subprocess.run(["bash", os.path.join(root, "examples", "pretrain_moe_compile.sh")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = dry_run_example(os.path.join("examples", "pretrain_moe_compile.sh"), NGPUS="2", **knobs)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "dry-run: OK" in proc.stdout
     features = next(line for line in proc.stdout.splitlines() if line.startswith("fork features enabled"))

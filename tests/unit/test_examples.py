@@ -1,21 +1,9 @@
 """The example launchers: the Slurm script passes --dry-run at its stated world size, and the
 quick start checks the config (and says training needs a GPU) on a machine without one."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.unit.conftest import ROOT
-
-
-def run_script(path, env_extra):
-    env = dict(os.environ)
-    env.update(env_extra)
-    env.setdefault("PYTHON", sys.executable)
-    return subprocess.run(["bash", os.path.join(ROOT, path)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+from tests.unit.conftest import run_example as run_script
 
 
 def test_slurm_script_passes_dry_run_for_its_world_size():

@@ -2,12 +2,10 @@
 world size, and an unsupported combination is refused before launch."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.unit.conftest import ROOT
+from tests.unit.conftest import dry_run_example
 
 SCRIPTS = {
     "local": os.path.join("examples", "pretrain_moe_fsdp_cuda_graphs.sh"),
@@ -16,12 +14,8 @@ SCRIPTS = {
 
 
 def dry_run(script, **knobs):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.pop("WORLD_SIZE", None)
-    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-    env.update(DRY_RUN="1", PYTHON=sys.executable, **knobs)
-    proc = subprocess.run(["bash", SCRIPTS[script]], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
+    # megatron refuses Megatron-FSDP with CUDA_DEVICE_MAX_CONNECTIONS=1
+    proc = dry_run_example(SCRIPTS[script], drop=("CUDA_DEVICE_MAX_CONNECTIONS",), **knobs)
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -2,12 +2,10 @@
 size (their DRY_RUN=1 mode runs exactly the flags they would launch with)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.unit.conftest import ROOT
+from tests.unit.conftest import dry_run_example
 
 SCRIPTS = {
     "local": os.path.join("examples", "pretrain_moe_p2p_overlap.sh"),
@@ -16,11 +14,7 @@ SCRIPTS = {
 
 
 def dry_run(script, **knobs):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.pop("WORLD_SIZE", None)
-    env.update(DRY_RUN="1", PYTHON=sys.executable, **knobs)
-    proc = subprocess.run(["bash", SCRIPTS[script]], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
+    proc = dry_run_example(SCRIPTS[script], **knobs)
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -589,17 +589,10 @@ def test_buffer_report(capsys):
 
 @pytest.mark.parametrize("knobs", [{}, {"GRAPHS": "0", "STASH": "0"}])
 def test_example_script_passes_dry_run(knobs):
-    import os
-    import subprocess
-    import sys
+    from tests.unit.conftest import dry_run_example
 
-    from tests.unit.conftest import ROOT
-
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    env.pop(ps.CUTEDSL_ENV, None)  # the script sets it itself
-    env.update(DRY_RUN="1", PYTHON=sys.executable, **knobs)
-    proc = subprocess.run(["bash", "examples/pretrain_moe_paged_stash.sh"], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+    # the script sets the CuTe-DSL variable itself
+    proc = dry_run_example("examples/pretrain_moe_paged_stash.sh", drop=(ps.CUTEDSL_ENV,), **knobs)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "expert model parallel (EP) ........ 2" in out and out.rstrip().endswith("dry-run: OK")

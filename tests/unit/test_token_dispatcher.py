@@ -404,15 +404,9 @@ def test_patches_are_wanted_only_for_their_backend():
 
 @pytest.mark.parametrize("backend", ["deepep", "ncclep"])
 def test_example_launcher_flags_pass_the_dry_run(backend):
-    import os
-    import subprocess
+    from tests.unit.conftest import dry_run_example
 
-    from tests.unit.conftest import ROOT
-
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    env.update(DRY_RUN="1", PYTHON=sys.executable, BACKEND=backend, NGPUS="2")
-    proc = subprocess.run(["bash", os.path.join("examples", "pretrain_moe_deepep.sh")], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=300)
+    proc = dry_run_example("examples/pretrain_moe_deepep.sh", BACKEND=backend, NGPUS="2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "expert model parallel (EP) ........ 2" in proc.stdout
     assert "fork features enabled: flex-dispatch-backend-checks" in proc.stdout
