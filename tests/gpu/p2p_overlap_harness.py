@@ -40,6 +40,16 @@ import os
 import sys
 from typing import Optional
 
+from tests.gpu.harness_common import (  # the repository root is on PYTHONPATH
+    cached_batches,
+    initialize,
+    metrics_writer,
+    prepare_training,
+    reseed,
+    setup_model_and_optimizer,
+    train_one_step,
+)
+
 DEFAULT_MODES = "upstream,fork:1,fork:2,fork:all:tl"
 
 
@@ -89,41 +99,11 @@ def counting_runs(plan_class, counter: dict):
         plan_class.run = original
 
 
-def initialize(argv: list[str]):
-    """pretrain_gpt.py's start-up up to megatron's initialization (no fork flag is set)."""
-    import pretrain_gpt
-    from megatron.patchset import arguments as ps_args
-    from megatron.patchset import patches
-    from megatron.training.arguments import parse_and_validate_args, parse_args
-    from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
-
-    sys.argv = [sys.argv[0], *argv]
-    ps_args.validate(parse_args(ps_args.add_patchset_args), "layout")
-    args = parse_and_validate_args(extra_args_provider=ps_args.add_patchset_args)
-    patches.apply(args)  # compat and observe patches only: the model patch is per mode
-    initialize_megatron(get_embedding_ranks=pretrain_gpt.get_embedding_ranks)
-    set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
-    return args
-
-
-def reseed(args) -> None:
-    """The seeding initialize_megatron did (python, numpy, torch and megatron's CUDA RNG tracker)."""
-    from megatron.training.initialize import _set_random_seed
-
-    graphable = args.cuda_graph_impl != "none"
-    _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker,
-                     args.inference_rng_tracker, use_cudagraphable_rng=graphable)
-
-
 def build(args, mode: Mode):
     """Model chunks, optimizer and scheduler for ``mode``, through megatron's builder."""
     import pretrain_gpt
-    from megatron.core.enums import ModelType
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.patchset import patches
     from megatron.patchset import schedule_plan as sp
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.training import setup_model_and_optimizer
 
     reseed(args)
     model_config = pretrain_gpt.model_config_from_args(args)
@@ -139,46 +119,20 @@ def build(args, mode: Mode):
             overlap_p2p_with_transformer_layer_wgrad=mode.transformer_layer_wgrad,
         )
         sp.set_p2p_overlap_options(transformer, **options)
-    container = pretrain_cfg_container_from_args(args, model_config)
     applied = patches.apply_patches([patches.get(sp.PATCH_NAME)]) if mode.fork else []
     try:
-        model, optimizer, scheduler = setup_model_and_optimizer(
-            ModelType.encoder_or_decoder,
-            cfg_container=container,
-            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-        )
+        model, optimizer, scheduler = setup_model_and_optimizer(args, model_config)
     finally:
         patches.revert(applied)
     return model, optimizer, scheduler, options
 
 
-def cached_batches(args, count: int):
-    """``count`` micro-batches from megatron's data iterators, read once for every mode."""
-    import pretrain_gpt
-    from megatron.training.training import build_train_valid_test_data_iterators
-
-    args.iteration = getattr(args, "iteration", 0)  # normally set by setup_model_and_optimizer
-    train_iterator, _, _ = build_train_valid_test_data_iterators(
-        pretrain_gpt.train_valid_test_datasets_provider
-    )
-    if train_iterator is None:  # ranks that read no data (tensor-parallel ranks > 0)
-        return None
-    return [next(train_iterator) for _ in range(count)]
-
-
 def train(args, mode: Mode, batches, iterations: int, write) -> None:
     import torch
-    import pretrain_gpt
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.rerun_state_machine import RerunDataIterator
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-    from megatron.core.utils import get_model_config, unwrap_model
+    from megatron.core.utils import unwrap_model
     from megatron.patchset import schedule_plan as sp
-    from megatron.training import get_timers
-    from megatron.training.training import train_step
 
     model, optimizer, scheduler, options = build(args, mode)
     model_class = type(unwrap_model(model[0]))
@@ -186,34 +140,17 @@ def train(args, mode: Mode, batches, iterations: int, write) -> None:
     if model_class is not expected:
         raise RuntimeError(f"mode {mode.label}: megatron built {model_class.__name__}, expected {expected.__name__}")
 
-    # What megatron's train() sets up before its loop.
-    config = get_model_config(model[0])
-    config.grad_scale_func = optimizer.scale_loss
-    config.timers = get_timers()
-    if config.finalize_model_grads_func is None:
-        config.finalize_model_grads_func = finalize_model_grads
-    for chunk in model:
-        chunk.train()
-    forward_backward_func = get_forward_backward_func()
-    data = RerunDataIterator(iter(batches)) if batches is not None else None
+    config, forward_backward_func, data = prepare_training(model, optimizer, batches)
 
     plan_class = sp.P2POverlapChunkSchedulePlan if mode.fork else TransformerModelChunkSchedulePlan
     runs: dict = {}
     with counting_runs(plan_class, runs):
         for iteration in range(iterations):
-            args.curr_iteration = iteration
-            result = train_step(
-                pretrain_gpt.forward_step, data, model, optimizer, scheduler, config,
-                forward_backward_func, iteration=iteration,
-            )
-            loss_dict, skipped, grad_norm = result[0], result[1], result[5]
-            clear_aux_losses_tracker()
+            record = train_one_step(args, iteration, data, model, optimizer, scheduler, config,
+                                    forward_backward_func)
             write({
                 "mode": mode.label,
-                "iteration": iteration + 1,
-                "losses": {key: float(value) for key, value in loss_dict.items()},
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "skipped": int(skipped),
+                **record,
                 "model_class": model_class.__name__,
                 "plan_runs": dict(runs),
                 "options": options,
@@ -225,19 +162,12 @@ def train(args, mode: Mode, batches, iterations: int, write) -> None:
 
 def main() -> None:
     import torch
-    from megatron.patchset import training as ps_training
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import print_rank_0
 
     modes = parse_modes(os.environ.get("P2P_OVERLAP_MODES", DEFAULT_MODES))
-    args = initialize(sys.argv[1:])
-    recorder = ps_training.recorder()
-    is_writer = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-
-    def write(record):
-        if recorder is not None and is_writer:
-            recorder.write(record)
-
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    args = initialize(sys.argv[1:])  # compat and observe patches only: the model patch is per mode
+    write = metrics_writer()
 
     # Read before any model is built, so that every mode starts from the same random state.
     batches = cached_batches(args, args.train_iters * get_num_microbatches())
