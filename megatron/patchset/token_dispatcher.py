@@ -474,40 +474,41 @@ def _checked_init(backend: str):
     return factory
 
 
-register(
-    "token_dispatcher.deepep_check",
-    f"{_TD}._DeepepManager.__init__",
-    reason="megatron reports any failure to import deep_ep (broken build, DeepEP 2.x) as 'not "
-    "installed'; re-probe DeepEP and raise with the original error and the pinned revision",
-    upstream_pr="fork-only (diagnostics)",
-    flags=("--moe-flex-dispatcher-backend deepep",),
-    enabled=_backend_is("deepep"),
-    wraps=True,
-    kind="compat",
-)(_checked_init("deepep"))
+# backend -> (megatron's manager class, why its __init__ is checked)
+_BACKEND_CHECKS = {
+    "deepep": (
+        "_DeepepManager",
+        "megatron reports any failure to import deep_ep (broken build, DeepEP 2.x) as 'not "
+        "installed'; re-probe DeepEP and raise with the original error and the pinned revision",
+    ),
+    "hybridep": (
+        "_HybridEPManager",
+        "same as token_dispatcher.deepep_check, for DeepEP's HybridEPBuffer (branch hybrid-ep)",
+    ),
+    "ncclep": (
+        "_NCCLEPManager",
+        "TE's NCCL EP fails late (first dispatch) on an old NCCL or a TE without libnccl_ep.so; "
+        "check both when the layer is built",
+    ),
+}
 
-register(
-    "token_dispatcher.hybridep_check",
-    f"{_TD}._HybridEPManager.__init__",
-    reason="same as token_dispatcher.deepep_check, for DeepEP's HybridEPBuffer (branch hybrid-ep)",
-    upstream_pr="fork-only (diagnostics)",
-    flags=("--moe-flex-dispatcher-backend hybridep",),
-    enabled=_backend_is("hybridep"),
-    wraps=True,
-    kind="compat",
-)(_checked_init("hybridep"))
 
-register(
-    "token_dispatcher.ncclep_check",
-    f"{_TD}._NCCLEPManager.__init__",
-    reason="TE's NCCL EP fails late (first dispatch) on an old NCCL or a TE without libnccl_ep.so; "
-    "check both when the layer is built",
-    upstream_pr="fork-only (diagnostics)",
-    flags=("--moe-flex-dispatcher-backend ncclep",),
-    enabled=_backend_is("ncclep"),
-    wraps=True,
-    kind="compat",
-)(_checked_init("ncclep"))
+
+def _register_backend_checks() -> None:
+    for backend, (manager, reason) in _BACKEND_CHECKS.items():
+        register(
+            f"token_dispatcher.{backend}_check",
+            f"{_TD}.{manager}.__init__",
+            reason=reason,
+            upstream_pr="fork-only (diagnostics)",
+            flags=(f"--moe-flex-dispatcher-backend {backend}",),
+            enabled=_backend_is(backend),
+            wraps=True,
+            kind="compat",
+        )(_checked_init(backend))
+
+
+_register_backend_checks()
 
 
 # The top-k of the manager whose _ensure_bootstrap is running (bootstrap is collective and happens
