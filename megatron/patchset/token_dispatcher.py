@@ -446,7 +446,10 @@ def _backend_is(name: str):
     return lambda args: requested_backend(args) == name
 
 
-_ANNOUNCED: set = set()
+# Backends found usable in this process. megatron builds one manager per MoE layer; the
+# probe (imports, signatures, NCCL version, header search) is the same for each, so it runs until
+# it passes once.
+_CHECKED: set = set()
 
 
 def backend_origin(backend: str) -> str:
@@ -463,9 +466,10 @@ def backend_origin(backend: str) -> str:
 def _checked_init(backend: str):
     def factory(original):
         def __init__(self, *args, **kwargs):
-            check_backend(backend)
-            if backend not in _ANNOUNCED:  # one line per process: the tests look for it
-                _ANNOUNCED.add(backend)
+            if backend not in _CHECKED:
+                check_backend(backend)
+                _CHECKED.add(backend)
+                # one line per process: the GPU tests look for it
                 print(f"megatron-patchset: flex dispatcher backend {backend} from {backend_origin(backend)}", flush=True)
             return original(self, *args, **kwargs)
 

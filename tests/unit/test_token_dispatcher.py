@@ -391,6 +391,30 @@ def test_manager_construction_checks_the_backend(deep_ep_package):
         patches.revert(applied)
 
 
+def test_manager_check_runs_once_per_process_until_it_passes(monkeypatch, capsys):
+    """megatron builds a manager per MoE layer; the probe runs again only while it fails."""
+    probes, built = [], []
+    outcomes = iter([flex.FlexBackendError("not yet"), None, None])
+
+    def check_backend(backend):
+        probes.append(backend)
+        outcome = next(outcomes)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(flex, "check_backend", check_backend)
+    monkeypatch.setattr(flex, "backend_origin", lambda backend: "/site/deep_ep")
+    monkeypatch.setattr(flex, "_CHECKED", set())
+    init = flex._checked_init("deepep")(lambda self: built.append(self))
+    with pytest.raises(flex.FlexBackendError, match="not yet"):
+        init("layer 1")
+    for layer in ("layer 1", "layer 2", "layer 3"):
+        init(layer)
+    assert probes == ["deepep", "deepep"]
+    assert built == ["layer 1", "layer 2", "layer 3"]
+    assert capsys.readouterr().out.count("flex dispatcher backend deepep from /site/deep_ep") == 1
+
+
 def test_patches_are_wanted_only_for_their_backend():
     args = validated(flex_argv("ncclep", "--moe-expert-rank-capacity-factor", "2.0"), 2)
     names = {p.name for p in patches.wanted(args)}
