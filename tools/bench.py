@@ -18,6 +18,9 @@ time, MFU, memory and loss curves) into ``--out``.
 
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
 micro-batch-size=1,2,4``); ``--set FLAG=VALUE`` overrides the config for all variants.
+``--profile-iteration N`` runs iteration N of every variant under ``torch.profiler`` (every
+rank; ``megatron/patchset/profiling.py``) and prints a second table: pipeline P2P kernel time
+per direction and its exposed part (no compute kernel running), mean over ranks.
 """
 
 from __future__ import annotations
@@ -95,11 +98,13 @@ def default_peak(device: Optional[str]) -> Optional[float]:
     return None
 
 
-def summarize(records: list[dict], warmup: int, peak_tflops: Optional[float]) -> dict:
-    """Reduce one variant's metrics lines to the table's numbers."""
+def summarize(records: list[dict], warmup: int, peak_tflops: Optional[float],
+              exclude: tuple[int, ...] = ()) -> dict:
+    """Reduce one variant's metrics lines to the table's numbers (``exclude``: iterations left
+    out of the timing, such as the profiled one)."""
     iters = [r for r in records if "iteration" in r]
     summary = next((r["summary"] for r in records if "summary" in r), {})
-    timed = [r for r in iters if r["iteration"] > warmup and r.get("time_s")]
+    timed = [r for r in iters if r["iteration"] > warmup and r.get("time_s") and r["iteration"] not in exclude]
     if not timed:
         raise ValueError(f"no timed iterations after warm-up {warmup} ({len(iters)} recorded)")
     step = statistics.median(r["time_s"] for r in timed)
@@ -159,6 +164,63 @@ def run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout) -> tuple[i
 def tail(path: str, lines: int = 25) -> str:
     with open(path, errors="replace") as handle:
         return "".join(handle.readlines()[-lines:])
+
+
+def read_profiles(folder: str) -> list[dict]:
+    """The per-rank summaries megatron/patchset/profiling.py wrote under ``folder``."""
+    paths = [os.path.join(folder, "summary.json")]
+    if os.path.isdir(folder):
+        paths += sorted(os.path.join(folder, d, "summary.json") for d in os.listdir(folder) if d.startswith("rank"))
+    out = []
+    for path in paths:
+        if os.path.exists(path):
+            with open(path) as handle:
+                out.append(json.load(handle))
+    return out
+
+
+def profile_columns(summaries: list[dict]) -> dict:
+    """Pipeline P2P and GPU idle time of the profiled iteration: mean and max over ranks."""
+    if not summaries:
+        return {}
+    result: dict = {"profiled_ranks": len(summaries)}
+    directions = sorted({d for s in summaries for d in (s.get("p2p") or {})})
+    for direction in directions:
+        for key in ("kernel_ms", "exposed_ms"):
+            values = [((s.get("p2p") or {}).get(direction) or {}).get(key, 0.0) for s in summaries]
+            result[f"p2p_{direction}_{key}_mean"] = statistics.mean(values)
+            result[f"p2p_{direction}_{key}_max"] = max(values)
+    idle = [s["gpu_idle_ms"] for s in summaries if s.get("gpu_idle_ms") is not None]
+    if idle:
+        result["gpu_idle_ms_mean"] = statistics.mean(idle)
+    result["profiled_step_host_ms_max"] = max(s["step_host_ms"] for s in summaries)
+    return result
+
+
+def format_profile_table(rows: list[dict]) -> str:
+    """Exposed pipeline P2P per variant (profiled iteration, mean over ranks)."""
+    head = ["variant", "bwd P2P ms", "bwd P2P exposed ms", "fwd P2P ms", "fwd P2P exposed ms",
+            "GPU idle ms", "exposed bwd vs first"]
+    table = [head]
+    base = next((r.get("p2p_backward_exposed_ms_mean") for r in rows if not r.get("error")), None)
+
+    def cell(r, key):
+        value = r.get(key)
+        return "-" if value is None else f"{value:.2f}"
+
+    for r in rows:
+        if r.get("error") or "profiled_ranks" not in r:
+            table.append([r["variant"], "-", "-", "-", "-", "-", "-"])
+            continue
+        exposed = r.get("p2p_backward_exposed_ms_mean")
+        change = (f"{100 * (exposed - base) / base:+.0f}%" if base and exposed is not None else "-")
+        table.append([r["variant"], cell(r, "p2p_backward_kernel_ms_mean"), cell(r, "p2p_backward_exposed_ms_mean"),
+                      cell(r, "p2p_forward_kernel_ms_mean"), cell(r, "p2p_forward_exposed_ms_mean"),
+                      cell(r, "gpu_idle_ms_mean"), change])
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
+    lines = ["| " + " | ".join(str(c).ljust(widths[i]) for i, c in enumerate(row)) + " |" for row in table]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict], peak: Optional[float]) -> str:
@@ -243,6 +305,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench-out", help="output folder. Default: bench-out.")
     p.add_argument("--timeout", type=int, default=900, help="seconds per variant. Default: 900.")
     p.add_argument("--title", default=None, help="chart title.")
+    p.add_argument("--profile-iteration", type=int, default=None,
+                   help="run this iteration (1-based, after the warm-up) of every variant under "
+                        "torch.profiler (megatron/patchset/profiling.py, every rank) and add a table "
+                        "of exposed pipeline P2P time; the iteration is left out of the step time.")
     opts = p.parse_args(argv)
 
     variants = opts.variant or [("upstream", [])]
@@ -253,6 +319,10 @@ def main(argv=None) -> int:
     base_argv = argsfile.override(base_argv, "--log-interval", "1")
     if opts.warmup >= opts.iters:
         p.error("--warmup must be smaller than --iters")
+    if opts.profile_iteration is not None and not opts.warmup < opts.profile_iteration <= opts.iters:
+        p.error("--profile-iteration must be after the warm-up and at most --iters")
+    if opts.profile_iteration is not None and opts.iters - opts.warmup < 2:
+        p.error("--profile-iteration needs at least one more timed iteration after the warm-up")
     sweep_flag, sweep_values = opts.sweep if opts.sweep else (None, [None])
 
     os.makedirs(opts.out, exist_ok=True)
@@ -274,6 +344,12 @@ def main(argv=None) -> int:
             else:
                 entry = [os.path.join(ROOT, "pretrain_gpt.py")]
             safe = label.replace(" ", "_").replace("=", "-").replace("/", "-")
+            profile_dir = None
+            if opts.profile_iteration is not None:
+                from megatron.patchset import profiling
+
+                profile_dir = os.path.abspath(os.path.join(opts.out, f"{safe}-profile"))
+                env[profiling.PROFILE_ENV] = f"{profile_dir}:{opts.profile_iteration}"
             print(f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...", flush=True)
             code, metrics, log = run_variant(safe, entry + argv + flags, env, opts.nproc, opts.out, opts.timeout)
             row = {"variant": label, "flags": flags, "exit_code": code, "log": log}
@@ -281,10 +357,13 @@ def main(argv=None) -> int:
                 row["error"] = f"exit code {code}"
                 print(f"[bench] {label} FAILED (exit {code}); last lines of {log}:\n{tail(log)}", flush=True)
             else:
+                exclude = (opts.profile_iteration,) if opts.profile_iteration is not None else ()
                 try:
-                    row.update(summarize(read_metrics(metrics), opts.warmup, peak))
+                    row.update(summarize(read_metrics(metrics), opts.warmup, peak, exclude))
                 except ValueError as exc:
                     row["error"] = str(exc)
+                if profile_dir is not None:
+                    row.update(profile_columns(read_profiles(profile_dir)))
             rows.append(row)
 
     title = opts.title or f"{os.path.basename(opts.config)} on {opts.nproc}x {facts.get('device', '?')}"
@@ -295,6 +374,7 @@ def main(argv=None) -> int:
         "warmup": opts.warmup,
         "overrides": [[f, v] for f, v in opts.set],
         "sweep": [sweep_flag, sweep_values] if opts.sweep else None,
+        "profile_iteration": opts.profile_iteration,
         "peak_tflops": peak,
         "facts": facts,
         "wall_s": time.time() - started,
@@ -308,6 +388,11 @@ def main(argv=None) -> int:
           f"transformer-engine {facts.get('transformer_engine')}; {opts.iters} iterations, "
           f"median of the last {opts.iters - opts.warmup}")
     print(format_table(rows, peak))
+    if opts.profile_iteration is not None:
+        print()
+        print(f"torch.profiler, iteration {opts.profile_iteration}, mean over ranks: pipeline P2P kernel time "
+              f"and the part of it with no compute kernel running (exposed)")
+        print(format_profile_table(rows))
     print(f"wrote {os.path.join(opts.out, 'bench.json')}" + (f" and {chart}" if chart else ""))
     return 1 if any(r.get("error") for r in rows) else 0
 

@@ -3,10 +3,11 @@
 ``training.profile_step`` (observe only): with ``MEGATRON_PATCHSET_PROFILE=<dir>:<N>`` set,
 megatron's ``train_step`` runs iteration ``N`` (1-based, as in megatron's log lines) under
 ``torch.profiler`` (CPU activity, plus CUDA when a GPU is visible; no shapes, no stacks). For
-that one call only, megatron's MoE and attention methods run inside ``record_function`` labels
-named ``ps:<category>[/<detail>]:<layer>``; every label is removed again afterwards, so the
-other iterations run the unmodified code. Rank 0 writes ``<dir>/trace.json`` (a chrome trace,
-open it in Perfetto) and ``<dir>/summary.json``, the reduction below.
+that one call only, megatron's MoE and attention methods and the pipeline's P2P calls run inside
+``record_function`` labels named ``ps:<category>[/<detail>]:<layer>``; every label is removed
+again afterwards, so the other iterations run the unmodified code. Rank 0 writes
+``<dir>/trace.json`` (a chrome trace, open it in Perfetto) and ``<dir>/summary.json``, the
+reduction below; every other rank ``r`` the same files under ``<dir>/rank<r>/``.
 
 How host time is attributed (:func:`summarize_trace`):
 
@@ -25,6 +26,9 @@ How host time is attributed (:func:`summarize_trace`):
 * GPU busy time is the union of kernel, memcpy and memset intervals inside the GPU window
   (from the start of the step to the later of its host end and the last GPU activity); idle
   is the rest of that window. The GPU is synchronised before the profiled step starts.
+* Pipeline P2P (:func:`p2p_exposure`): the kernels launched inside megatron's
+  ``P2PCommunicator`` calls, per direction; *exposed* is their GPU time during which no
+  compute (non-NCCL) kernel runs.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ CATEGORIES = {
     "permutation": "permutation / unpermutation",
     "expert": "expert compute (grouped GEMM, split sizes)",
     "combine": "combine (all-to-all back, postprocess)",
+    "p2p": "pipeline P2P send/recv (schedule)",
     "grad_sync": "gradient reduction (finalize_model_grads)",
     "optimizer": "optimizer step",
     "other": "other (embedding, norms, loss, schedule, untagged)",
@@ -133,6 +138,17 @@ _METHOD_LABELS = (
     ("megatron.core.transformer.moe.token_dispatcher", None, "permute", "permutation", "permute", False),
     ("megatron.core.transformer.moe.token_dispatcher", None, "unpermute", "permutation", "unpermute", False),
     ("megatron.core.transformer.moe.token_dispatcher", None, "sort_chunks_by_idxs", "permutation", "sort_chunks", False),
+) + tuple(
+    # Pipeline send/receive by direction: what moves activations forward, what moves gradients
+    # backward, and the two calls that do both at once.
+    ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator", name, "p2p", direction, False)
+    for direction, names in (
+        ("forward", ("recv_forward", "send_forward", "send_forward_recv_forward")),
+        ("backward", ("recv_backward", "send_backward", "send_backward_recv_backward")),
+        ("both", ("send_forward_recv_backward", "send_backward_recv_forward",
+                  "send_forward_backward_recv_forward_backward")),
+    )
+    for name in names
 )
 
 
@@ -314,6 +330,7 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
 
     launches = syncs = graph_launches = scalar_reads = 0
     correlation: dict[Any, str] = {}
+    p2p_launch: dict[Any, str] = {}  # correlation id -> direction of the pipeline P2P call
     for e in complete:
         if e.get("cat") not in RUNTIME_CATS or not inside(e):
             continue
@@ -333,6 +350,8 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
         corr = (e.get("args") or {}).get("correlation")
         if corr is not None:
             correlation[corr] = tag[0] if tag and tag[0] in cats else "other"
+            if tag and tag[0] == "p2p":
+                p2p_launch[corr] = tag[1] or "unknown"
     for e in cpu_ops:
         if e.get("name") in SCALAR_OPS:
             scalar_reads += 1
@@ -346,6 +365,7 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
         if e.get("cat") == "kernel":
             corr = (e.get("args") or {}).get("correlation")
             cats[correlation.get(corr, "other")]["gpu_kernel_us"] += float(e.get("dur") or 0)
+    p2p = p2p_exposure(device, p2p_launch, lo, gpu_hi)
 
     ms = 1e-3
     categories = {}
@@ -374,7 +394,40 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
         "layers": {k: {c: v * ms for c, v in sorted(d.items())} for k, d in
                    sorted(layers.items(), key=lambda kv: int(kv[0]))},
         "details_ms": {k: v * ms for k, v in sorted(details.items(), key=lambda kv: -kv[1])},
+        "p2p": p2p,
     }
+
+
+def is_comm_kernel(name: str) -> bool:
+    """NCCL's kernels (all-to-all, all-reduce, send/receive, ...): communication, not compute."""
+    return "nccl" in name.lower()
+
+
+def p2p_exposure(device: list[dict], p2p_launch: dict, lo: float, hi: float) -> dict:
+    """Per direction of the pipeline P2P calls (``forward``, ``backward``, ``both``): how many
+    kernels their launches produced, the time those kernels ran (union) and how much of it is
+    *exposed*: P2P kernel time during which no compute kernel (any kernel that is not NCCL's)
+    runs on the GPU. Overlapped P2P hides behind compute; exposed P2P is time the GPU spends
+    on nothing but moving pipeline tensors (or waiting for the peer to send them)."""
+    spans: dict[str, list] = defaultdict(list)
+    compute: list[tuple[float, float]] = []
+    for e in device:
+        if e.get("cat") != "kernel":
+            continue
+        span = (float(e["ts"]), _end(e))
+        direction = p2p_launch.get((e.get("args") or {}).get("correlation"))
+        if direction is not None:
+            spans[direction].append(span)
+        elif not is_comm_kernel(e.get("name", "")):
+            compute.append(span)
+    compute_us = union_length(compute, lo, hi)
+    out = {}
+    for direction, items in sorted(spans.items()):
+        total = union_length(items, lo, hi)
+        overlapped = total + compute_us - union_length(items + compute, lo, hi)
+        out[direction] = {"kernels": len(items), "kernel_ms": total * 1e-3,
+                          "exposed_ms": (total - overlapped) * 1e-3}
+    return out
 
 
 def format_summary(summary: dict) -> str:
@@ -402,6 +455,9 @@ def format_summary(summary: dict) -> str:
         f"device-to-host syncs: {summary['d2h_syncs']} (D2H copies {summary['d2h_copies']}, "
         f"aten::_local_scalar_dense {summary['scalar_reads']})",
     ]
+    for direction, p in (summary.get("p2p") or {}).items():
+        facts.append(f"pipeline P2P ({direction}): {p['kernels']} kernels, {p['kernel_ms']:.2f} ms on the GPU, "
+                     f"{p['exposed_ms']:.2f} ms exposed (no compute kernel running)")
     lines += [f"* {f}" for f in facts]
     if summary.get("layers"):
         cols = ["attention", *MOE_CATEGORIES]
@@ -473,16 +529,22 @@ def profile_call(step: Callable, folder: str, iteration: int, *, optimizer=None,
                 torch.cuda.synchronize()
     finally:
         labels.remove()
-    if _rank() == 0:
-        os.makedirs(folder, exist_ok=True)
-        trace = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(trace)
-        with open(trace) as handle:
-            events = json.load(handle).get("traceEvents", [])
-        summary = summarize_trace(events, meta={**_meta(iteration), "trace": trace})
-        with open(os.path.join(folder, "summary.json"), "w") as handle:
-            json.dump(summary, handle, indent=1)
+    rank = _rank()
+    out = rank_folder(folder, rank)
+    os.makedirs(out, exist_ok=True)
+    trace = os.path.join(out, "trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as handle:
+        events = json.load(handle).get("traceEvents", [])
+    summary = summarize_trace(events, meta={**_meta(iteration), "rank": rank, "trace": trace})
+    with open(os.path.join(out, "summary.json"), "w") as handle:
+        json.dump(summary, handle, indent=1)
     return result
+
+
+def rank_folder(folder: str, rank: int) -> str:
+    """Where a rank writes its trace and summary: ``<dir>`` for rank 0, ``<dir>/rank<r>`` else."""
+    return folder if rank == 0 else os.path.join(folder, f"rank{rank}")
 
 
 @register(

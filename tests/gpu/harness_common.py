@@ -82,7 +82,14 @@ def prepare_training(model, optimizer, batches):
         config.finalize_model_grads_func = finalize_model_grads
     for chunk in model:
         chunk.train()
-    data = RerunDataIterator(iter(batches)) if batches is not None else None
+    if batches is None:
+        data = None
+    elif len(model) > 1:
+        # Interleaved pipeline: one iterator per model chunk, as megatron's pretrain() builds
+        # them (each chunk that reads data -- the first and the last stage -- reads every batch).
+        data = [RerunDataIterator(iter(batches)) for _ in model]
+    else:
+        data = RerunDataIterator(iter(batches))
     return config, get_forward_backward_func(), data
 
 

@@ -49,6 +49,42 @@ def test_table_has_speedup_against_first_variant():
     assert "MFU@790" in table and "2.00x" in table and "1.00x" in table and "FAILED" in table
 
 
+def test_summarize_leaves_the_profiled_iteration_out_of_the_timing():
+    times = [None, 0.5, 0.5, 0.5, 3.0]  # iteration 5 ran under the profiler
+    res = bench.summarize(records(times, [5, 4, 3, 2, 1]), warmup=1, peak_tflops=None, exclude=(5,))
+    assert res["timed_iterations"] == 3 and res["step_ms"] == pytest.approx(500.0)
+    assert res["final_loss"] == 1  # the loss curve keeps every iteration
+
+
+def test_profile_columns_average_the_ranks_and_the_table_compares_to_the_first_variant(tmp_path):
+    def write(folder, backward_exposed, idle):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "summary.json"), "w") as handle:
+            json.dump({"step_host_ms": 100.0, "gpu_idle_ms": idle, "p2p": {
+                "backward": {"kernels": 4, "kernel_ms": 10.0, "exposed_ms": backward_exposed},
+                "forward": {"kernels": 4, "kernel_ms": 8.0, "exposed_ms": 1.0}}}, handle)
+
+    write(tmp_path / "base", 6.0, 20.0)
+    write(tmp_path / "base" / "rank1", 2.0, 10.0)
+    write(tmp_path / "fast", 0.5, 5.0)
+    write(tmp_path / "fast" / "rank1", 0.3, 5.0)
+    assert len(bench.read_profiles(str(tmp_path / "base"))) == 2
+    base = {"variant": "base", **bench.profile_columns(bench.read_profiles(str(tmp_path / "base")))}
+    fast = {"variant": "fast", **bench.profile_columns(bench.read_profiles(str(tmp_path / "fast")))}
+    assert base["p2p_backward_exposed_ms_mean"] == pytest.approx(4.0)
+    assert base["p2p_backward_exposed_ms_max"] == pytest.approx(6.0)
+    assert base["gpu_idle_ms_mean"] == pytest.approx(15.0) and base["profiled_ranks"] == 2
+    table = bench.format_profile_table([base, fast, {"variant": "broken", "error": "exit code 1"}])
+    assert "| fast " in table and "0.40" in table and "-90%" in table
+    assert bench.profile_columns([]) == {}
+
+
+def test_profile_iteration_must_follow_the_warm_up():
+    for bad in (["--profile-iteration", "3"], ["--profile-iteration", "11"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--config", TINY, "--iters", "10", "--warmup", "3", *bad])
+
+
 def test_variant_and_assignment_parsing():
     assert bench.parse_variant("upstream") == ("upstream", [])
     assert bench.parse_variant("g=--cuda-graph-impl transformer_engine") == (

@@ -139,6 +139,64 @@ def test_summary_attributes_host_time_by_category_forward_and_backward():
     assert s["details_ms"]["expert/routed (bwd)"] == approx(0.100)
 
 
+def p2p_trace():
+    """Two pipeline calls on the main thread: a backward exchange whose NCCL kernel overlaps a
+    compute kernel for 30 of its 100 us, and a forward one fully hidden behind compute."""
+    return [
+        ann("ps:step", 0, 1000),
+        ann("ps:p2p/backward:", 100, 20),
+        rt("cuLaunchKernelEx", 105, 5, corr=11),
+        ann("ps:p2p/forward:", 300, 20),
+        rt("cuLaunchKernelEx", 305, 5, corr=12),
+        ann("ps:expert/routed:1", 130, 10),
+        rt("cudaLaunchKernel", 131, 2, corr=13),
+        rt("cudaLaunchKernel", 340, 2, corr=14),  # untagged compute launch
+        rt("cudaLaunchKernel", 350, 2, corr=15),  # an all-to-all outside the P2P calls
+        gpu("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 200, 100, corr=11),
+        gpu("gemm", 270, 60, corr=13),           # covers 270-300 of the backward P2P
+        gpu("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 400, 50, corr=12),
+        gpu("elementwise", 390, 80, corr=14),    # covers all of the forward P2P
+        gpu("ncclDevKernel_AllToAll", 210, 50, corr=15),  # communication: hides nothing
+    ]
+
+
+def test_pipeline_p2p_kernels_and_their_exposed_time_by_direction():
+    s = profiling.summarize_trace(p2p_trace())
+    approx = pytest.approx
+    assert set(s["p2p"]) == {"backward", "forward"}
+    bwd, fwd = s["p2p"]["backward"], s["p2p"]["forward"]
+    assert bwd["kernels"] == 1 and bwd["kernel_ms"] == approx(0.100)
+    assert bwd["exposed_ms"] == approx(0.070)  # 200-270: only NCCL kernels on the GPU
+    assert fwd["kernels"] == 1 and fwd["kernel_ms"] == approx(0.050) and fwd["exposed_ms"] == approx(0.0)
+    assert s["categories"]["p2p"]["launches"] == 2
+    assert s["categories"]["p2p"]["host_ms"] == approx(0.040)
+    assert s["categories"]["p2p"]["gpu_kernel_ms"] == approx(0.150)
+    text = profiling.format_summary(s)
+    assert "pipeline P2P (backward): 1 kernels, 0.10 ms on the GPU, 0.07 ms exposed" in text
+    # a trace without pipeline calls has no P2P entries
+    assert profiling.summarize_trace(synthetic_trace())["p2p"] == {}
+
+
+def test_pipeline_calls_are_labelled_by_direction():
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    directions = {attr: detail for module, owner, attr, category, detail, _ in profiling._METHOD_LABELS
+                  if category == "p2p"}
+    assert directions["send_backward_recv_backward"] == "backward"
+    assert directions["send_forward_recv_forward"] == "forward"
+    assert directions["send_forward_backward_recv_forward_backward"] == "both"
+    assert len(directions) == 9 and all(hasattr(P2PCommunicator, name) for name in directions)
+    original = P2PCommunicator.send_backward_recv_backward
+    labels = profiling.Labels()
+    try:
+        assert P2PCommunicator.send_backward_recv_backward is not original
+        assert P2PCommunicator.send_backward_recv_backward.__wrapped__ is original
+    finally:
+        labels.remove()
+    assert P2PCommunicator.send_backward_recv_backward is original
+    assert profiling.rank_folder("/p", 0) == "/p" and profiling.rank_folder("/p", 3) == "/p/rank3"
+
+
 def test_summary_needs_the_step_label():
     with pytest.raises(ValueError, match="ps:step"):
         profiling.summarize_trace([ann("ps:router:1", 0, 5)])
