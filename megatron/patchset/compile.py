@@ -264,7 +264,12 @@ PATCH_NAMES = tuple(EAGER_REGIONS) + (
 
 
 def dynamo_stats() -> dict:
-    """Process-wide dynamo counters: graphs, graph breaks (with reasons), frames, compile time."""
+    """Process-wide dynamo counters: graphs, graph breaks (with reasons), frames, compile time.
+
+    ``frames`` - ``frames_ok`` are frames dynamo chose not to compile (a resume function that only
+    calls an eager region, a frame with nothing to trace): they run eagerly by design. A frame
+    that *fails* to compile raises instead, as long as ``suppress_errors`` (recorded) is off."""
+    import torch._dynamo
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     breaks = dict(counters["graph_break"])
@@ -274,6 +279,7 @@ def dynamo_stats() -> dict:
         "graph_break_reasons": {reason: int(n) for reason, n in breaks.items()},
         "frames": int(counters["frames"]["total"]),
         "frames_ok": int(counters["frames"]["ok"]),
+        "suppress_errors": bool(torch._dynamo.config.suppress_errors),
         "compile_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", []))),
     }
 
