@@ -16,7 +16,12 @@ when the first MoE layer is built, and the reason is lost. This module
   all-to-all dispatcher;
 * fixes megatron's call into TransformerEngine 2.20's NCCL EP: ``fused_a2a.ensure_nccl_ep_bootstrapped``
   calls ``te_ep.ep_bootstrap`` without its required ``num_topk`` argument (a ``TypeError`` at
-  the first dispatch). Two patches pass the manager's top-k through.
+  the first dispatch). Two patches pass the manager's top-k through;
+* makes TE 2.20.2's NCCL EP custom ops callable on torch 2.11 (:func:`repair_mutable_default_kernels`):
+  ``transformer_engine_ep::prepare_and_dispatch`` declares mutated arguments with defaults
+  (``recv_scale_inv=None``, only used for FP8); torch's boxed call drops trailing arguments that
+  equal their defaults, and the ``ADInplaceOrView`` kernel ``torch.library.custom_op`` registered
+  indexes them anyway (``IndexError: tuple index out of range`` at the first bf16 dispatch).
 
 Pinned DeepEP revisions (docs/deepep.md): :data:`DEEPEP_REVISION` for ``deepep`` and
 :data:`HYBRIDEP_REVISION` (branch ``hybrid-ep``, provides both) for ``hybridep``.
@@ -546,7 +551,9 @@ def _ensure_bootstrap_factory(original):
     "token_dispatcher.ncclep_bootstrap",
     f"{_TD}.ensure_nccl_ep_bootstrapped",
     reason="megatron-core 0.19.2 calls te_ep.ep_bootstrap without num_topk, which TransformerEngine "
-    "2.20's signature requires (TypeError at the first dispatch)",
+    "2.20's signature requires (TypeError at the first dispatch); also replaces the ADInplaceOrView "
+    "kernels of TE's EP custom ops that index mutated arguments torch 2.11 dropped for equalling "
+    "their defaults (IndexError at the first bf16 dispatch)",
     upstream_pr="fork-only (TE 2.20.2 made ep_bootstrap's num_topk required)",
     flags=("--moe-flex-dispatcher-backend ncclep",),
     enabled=_backend_is("ncclep"),
@@ -567,6 +574,7 @@ def ensure_nccl_ep_bootstrapped(ep_group, num_experts, max_tokens_per_rank, recv
             "the router top-k that TE's ep_bootstrap needs is unknown"
         )
     check_backend("ncclep")
+    repair_mutable_default_kernels(TE_EP_OP_NAMESPACE)
     te_ep.ep_bootstrap(
         ep_group,
         num_experts=num_experts,
@@ -577,3 +585,64 @@ def ensure_nccl_ep_bootstrapped(ep_group, num_experts, max_tokens_per_rank, recv
         max_num_sms=num_sms,
         zero_copy=zero_copy,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# torch.library.custom_op kernels that index dropped default arguments (TE's NCCL EP ops)
+# ---------------------------------------------------------------------------------------
+
+TE_EP_OP_NAMESPACE = "transformer_engine_ep"
+_REPAIR_LIBRARIES: dict = {}  # namespace -> torch.library.Library (registrations live as long as it)
+_REPAIRED: set = set()
+
+
+def mutable_default_positions(schema) -> list[int]:
+    """Positions of the arguments an op mutates; those with a default are the ones torch's boxed
+    call may leave out."""
+    return [i for i, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+
+
+def repair_mutable_default_kernels(namespace: str) -> list[str]:
+    """Re-register the ``ADInplaceOrView`` kernel of every op of ``namespace`` that mutates an
+    argument with a default value, bumping the version only of the mutated arguments that were
+    actually passed, then redispatching as torch's own kernel does. Idempotent; returns the ops
+    repaired by this call.
+
+    ``torch.library.custom_op`` (torch 2.11) registers that kernel as ``for idx in mutated:
+    increment_version(args[idx])``; the dispatcher hands Python kernels the arguments without the
+    trailing ones that equal their defaults, so a call that leaves ``recv_scale_inv=None`` raises
+    ``IndexError`` before the op runs."""
+    import torch
+
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith(namespace + "::")]
+    repaired = []
+    for full in sorted(names):
+        name = full.split("::", 1)[1]
+        if full in _REPAIRED or "." in name:
+            continue
+        packet = getattr(getattr(torch.ops, namespace), name)
+        op = packet.default
+        mutated = mutable_default_positions(op._schema)
+        if not any(op._schema.arguments[i].has_default_value() for i in mutated):
+            continue
+
+        def kernel(keyset, *args, _op=op, _mutated=tuple(mutated), **kwargs):
+            for index in _mutated:
+                if index < len(args) and isinstance(args[index], torch.Tensor):
+                    torch.autograd.graph.increment_version(args[index])
+            for arg in _op._schema.arguments:
+                value = kwargs.get(arg.name)
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                    torch.autograd.graph.increment_version(value)
+            return _op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+
+        library = _REPAIR_LIBRARIES.get(namespace)
+        if library is None:
+            library = _REPAIR_LIBRARIES[namespace] = torch.library.Library(namespace, "IMPL")
+        library.impl(name, kernel, "ADInplaceOrView", with_keyset=True, allow_override=True)
+        _REPAIRED.add(full)
+        repaired.append(full)
+    if repaired:
+        logger.info("megatron-patchset: ADInplaceOrView kernels of %s tolerate dropped default arguments",
+                    ", ".join(repaired))
+    return repaired

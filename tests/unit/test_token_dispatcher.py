@@ -437,3 +437,75 @@ def test_example_launcher_flags_pass_the_dry_run(backend):
     expected = "deep_ep (DeepEP 567632d" if backend == "deepep" else "token_dispatcher.ncclep_bootstrap"
     assert expected in proc.stdout
     assert proc.stdout.rstrip().endswith("dry-run: OK")
+
+
+# ---------------------------------------------------------------------------------------
+# TE's NCCL EP custom ops: mutated arguments with defaults (torch 2.11)
+# ---------------------------------------------------------------------------------------
+
+
+def _define_ep_like_ops(namespace):
+    """Ops shaped like transformer_engine_ep::prepare_and_dispatch: mutated outputs, the last
+    one optional with default None; and one whose mutated arguments have no default."""
+    from typing import Optional
+
+    import torch
+
+    @torch.library.custom_op(f"{namespace}::dispatch", mutates_args=("state", "out", "scale"), device_types="cpu")
+    def dispatch(state: torch.Tensor, x: torch.Tensor, k: int, out: torch.Tensor,
+                 scale: Optional[torch.Tensor] = None) -> None:
+        out.copy_(x * k)
+        state.add_(1)
+        if scale is not None:
+            scale.fill_(float(k))
+
+    @torch.library.custom_op(f"{namespace}::plain", mutates_args=("out",), device_types="cpu")
+    def plain(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x)
+
+    return dispatch, plain
+
+
+def test_repair_of_custom_op_kernels_that_index_dropped_default_arguments():
+    import torch
+
+    ns = "ps_unit_ep"
+    _define_ep_like_ops(ns)
+    state, x, out = torch.zeros(2), torch.ones(3, requires_grad=True), torch.empty(3)
+    # The defect on the pinned torch: the default None is dropped, the kernel indexes it.
+    with pytest.raises(IndexError, match="tuple index out of range"):
+        torch.ops.ps_unit_ep.dispatch(state, x, 2, out, None)
+
+    assert flex.repair_mutable_default_kernels(ns) == [f"{ns}::dispatch"]  # plain has no defaults
+    assert flex.repair_mutable_default_kernels(ns) == []  # idempotent
+    before = out._version
+    torch.ops.ps_unit_ep.dispatch(state, x, 2, out, None)
+    assert out.tolist() == [2.0, 2.0, 2.0] and state.tolist() == [1.0, 1.0]
+    assert out._version > before  # autograd still sees the mutation
+    scale = torch.zeros(1)
+    torch.ops.ps_unit_ep.dispatch(state, x, 3, out, scale)
+    assert out.tolist() == [3.0, 3.0, 3.0] and scale.tolist() == [3.0] and state.tolist() == [2.0, 2.0]
+    torch.ops.ps_unit_ep.plain(x.detach(), out)
+    assert out.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_ncclep_bootstrap_repairs_te_ep_kernels_before_bootstrapping(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    te, te_pt, fake_ep = (types.ModuleType(n) for n in
+                          ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ep"))
+    fake_ep.is_ep_bootstrapped = lambda: False
+    fake_ep.ep_bootstrap = lambda *a, **k: calls.append(("bootstrap", k["num_topk"]))
+    te.pytorch, te_pt.ep = te_pt, fake_ep
+    for module in (te, te_pt, fake_ep):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(flex, "check_backend", lambda backend: calls.append(("check", backend)))
+    monkeypatch.setattr(flex, "repair_mutable_default_kernels", lambda ns: calls.append(("repair", ns)))
+    flex._BOOTSTRAP.topk = 8
+    try:
+        flex.ensure_nccl_ep_bootstrapped(None, 128, 4096, 8192, 2048)
+    finally:
+        flex._BOOTSTRAP.topk = None
+    assert calls == [("check", "ncclep"), ("repair", "transformer_engine_ep"), ("bootstrap", 8)]
