@@ -190,6 +190,13 @@ def profile_columns(summaries: list[dict]) -> dict:
             values = [((s.get("p2p") or {}).get(direction) or {}).get(key, 0.0) for s in summaries]
             result[f"p2p_{direction}_{key}_mean"] = statistics.mean(values)
             result[f"p2p_{direction}_{key}_max"] = max(values)
+    split = pipeline_pairs(summaries)
+    for direction in sorted({d for row in split for d in row}):
+        for key in ("peer_wait_ms", "transfer_ms", "transfer_exposed_ms"):
+            values = [row.get(direction, {}).get(key, 0.0) for row in split]
+            result[f"p2p_{direction}_{key}_mean"] = statistics.mean(values)
+    if split:
+        result["p2p_paired_ranks"] = len(split)
     idle = [s["gpu_idle_ms"] for s in summaries if s.get("gpu_idle_ms") is not None]
     if idle:
         result["gpu_idle_ms_mean"] = statistics.mean(idle)
@@ -197,12 +204,39 @@ def profile_columns(summaries: list[dict]) -> dict:
     return result
 
 
+def pipeline_pairs(summaries: list[dict]) -> list[dict]:
+    """For each rank whose pipeline group has two ranks (PP=2: both directions go to the same
+    peer), its P2P kernels split into peer wait and transfer against the peer's
+    (``profiling.split_p2p_wait``). Ranks whose peer's summary is missing are left out."""
+    from megatron.patchset import profiling
+
+    by_rank = {s.get("rank"): s for s in summaries if s.get("rank") is not None}
+    out = []
+    for summary in summaries:
+        group = summary.get("pp_group_ranks") or []
+        if len(group) != 2 or summary.get("rank") not in group:
+            continue
+        peer = by_rank.get(group[1] if group[0] == summary["rank"] else group[0])
+        if peer is None:
+            continue
+        split = profiling.split_p2p_wait(summary.get("p2p_kernels") or [], peer.get("p2p_kernels") or [])
+        if split is not None:
+            out.append(split)
+    return out
+
+
 def format_profile_table(rows: list[dict]) -> str:
     """Exposed pipeline P2P per variant (profiled iteration, mean over ranks)."""
-    head = ["variant", "bwd P2P ms", "bwd P2P exposed ms", "fwd P2P ms", "fwd P2P exposed ms",
-            "GPU idle ms", "exposed bwd vs first"]
+    head = ["variant", "bwd P2P ms", "bwd P2P exposed ms", "bwd peer wait ms", "bwd transfer ms",
+            "bwd transfer exposed ms", "fwd P2P ms", "fwd P2P exposed ms", "GPU idle ms",
+            "exposed bwd vs first", "exposed bwd transfer vs first"]
     table = [head]
-    base = next((r.get("p2p_backward_exposed_ms_mean") for r in rows if not r.get("error")), None)
+    first = next((r for r in rows if not r.get("error")), {})
+    base = first.get("p2p_backward_exposed_ms_mean")
+    base_transfer = first.get("p2p_backward_transfer_exposed_ms_mean")
+
+    def versus(value, reference):
+        return f"{100 * (value - reference) / reference:+.0f}%" if reference and value is not None else "-"
 
     def cell(r, key):
         value = r.get(key)
@@ -210,13 +244,14 @@ def format_profile_table(rows: list[dict]) -> str:
 
     for r in rows:
         if r.get("error") or "profiled_ranks" not in r:
-            table.append([r["variant"], "-", "-", "-", "-", "-", "-"])
+            table.append([r["variant"]] + ["-"] * (len(head) - 1))
             continue
-        exposed = r.get("p2p_backward_exposed_ms_mean")
-        change = (f"{100 * (exposed - base) / base:+.0f}%" if base and exposed is not None else "-")
         table.append([r["variant"], cell(r, "p2p_backward_kernel_ms_mean"), cell(r, "p2p_backward_exposed_ms_mean"),
+                      cell(r, "p2p_backward_peer_wait_ms_mean"), cell(r, "p2p_backward_transfer_ms_mean"),
+                      cell(r, "p2p_backward_transfer_exposed_ms_mean"),
                       cell(r, "p2p_forward_kernel_ms_mean"), cell(r, "p2p_forward_exposed_ms_mean"),
-                      cell(r, "gpu_idle_ms_mean"), change])
+                      cell(r, "gpu_idle_ms_mean"), versus(r.get("p2p_backward_exposed_ms_mean"), base),
+                      versus(r.get("p2p_backward_transfer_exposed_ms_mean"), base_transfer)])
     widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
     lines = ["| " + " | ".join(str(c).ljust(widths[i]) for i, c in enumerate(row)) + " |" for row in table]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -391,7 +426,9 @@ def main(argv=None) -> int:
     if opts.profile_iteration is not None:
         print()
         print(f"torch.profiler, iteration {opts.profile_iteration}, mean over ranks: pipeline P2P kernel time "
-              f"and the part of it with no compute kernel running (exposed)")
+              f"and the part of it with no compute kernel running (exposed); with PP=2 each kernel is also "
+              f"split, against its peer's matching kernel, into peer wait (until the peer's kernel starts: "
+              f"the pipeline dependency) and transfer (the rest)")
         print(format_profile_table(rows))
     print(f"wrote {os.path.join(opts.out, 'bench.json')}" + (f" and {chart}" if chart else ""))
     return 1 if any(r.get("error") for r in rows) else 0

@@ -366,6 +366,7 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
             corr = (e.get("args") or {}).get("correlation")
             cats[correlation.get(corr, "other")]["gpu_kernel_us"] += float(e.get("dur") or 0)
     p2p = p2p_exposure(device, p2p_launch, lo, gpu_hi)
+    p2p_list = p2p_kernels(device, p2p_launch, lo, gpu_hi)
 
     ms = 1e-3
     categories = {}
@@ -395,7 +396,67 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
                    sorted(layers.items(), key=lambda kv: int(kv[0]))},
         "details_ms": {k: v * ms for k, v in sorted(details.items(), key=lambda kv: -kv[1])},
         "p2p": p2p,
+        "p2p_kernels": p2p_list,
     }
+
+
+def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint union of the intervals."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def p2p_kernels(device: list[dict], p2p_launch: dict, lo: float, hi: float) -> list[dict]:
+    """Every pipeline P2P kernel of the step in start order: ``{"dir", "ts", "end", "compute"}``
+    (microseconds on the trace's clock, which all processes of one host share), ``compute`` being
+    the compute-kernel intervals inside the kernel's span. Enough to split each kernel, once it is
+    paired with its peer's (:func:`split_p2p_wait`), into waiting for the peer and transferring."""
+    compute = merge((float(e["ts"]), _end(e)) for e in device
+                    if e.get("cat") == "kernel" and not is_comm_kernel(e.get("name", ""))
+                    and p2p_launch.get((e.get("args") or {}).get("correlation")) is None)
+    starts = [a for a, _ in compute]
+    out = []
+    for e in sorted(device, key=lambda e: float(e["ts"])):
+        direction = p2p_launch.get((e.get("args") or {}).get("correlation"))
+        if e.get("cat") != "kernel" or direction is None or _end(e) <= lo or float(e["ts"]) >= hi:
+            continue
+        a, b = float(e["ts"]), _end(e)
+        inside = []
+        for i in range(max(0, bisect.bisect_right(starts, a) - 1), len(compute)):
+            c0, c1 = compute[i]
+            if c0 >= b:
+                break
+            if c1 > a:
+                inside.append([max(a, c0), min(b, c1)])
+        out.append({"dir": direction, "ts": a, "end": b, "compute": inside})
+    return out
+
+
+def split_p2p_wait(mine: list[dict], peer: list[dict]) -> Optional[dict]:
+    """Pair this rank's P2P kernels with its pipeline peer's, in order (NCCL matches the
+    operations of two ranks in the order they were issued), and split each kernel's time into
+    *peer wait* (from its start until the peer's matching kernel starts: the pipeline dependency,
+    which overlap cannot remove) and *transfer* (from then to its end), with the exposed part of
+    the transfer (no compute kernel running). Per direction, in milliseconds; None when the
+    kernel counts differ (the pairing would be wrong)."""
+    if len(mine) != len(peer) or not mine:
+        return None
+    out: dict[str, dict] = {}
+    for k, q in zip(mine, peer):
+        begin = min(max(k["ts"], q["ts"]), k["end"])
+        overlap = union_length([tuple(c) for c in k["compute"]], begin, k["end"])
+        row = out.setdefault(k["dir"], {"kernels": 0, "peer_wait_ms": 0.0, "transfer_ms": 0.0,
+                                        "transfer_exposed_ms": 0.0})
+        row["kernels"] += 1
+        row["peer_wait_ms"] += (begin - k["ts"]) * 1e-3
+        row["transfer_ms"] += (k["end"] - begin) * 1e-3
+        row["transfer_exposed_ms"] += (k["end"] - begin - overlap) * 1e-3
+    return out
 
 
 def is_comm_kernel(name: str) -> bool:
@@ -498,12 +559,22 @@ def _meta(iteration: int) -> dict:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         meta["world_size"] = torch.distributed.get_world_size()
     try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            meta["pp_rank"] = ps.get_pipeline_model_parallel_rank()
+            meta["pp_group_ranks"] = torch.distributed.get_process_group_ranks(
+                ps.get_pipeline_model_parallel_group())
+    except Exception:  # no megatron parallel state (tests, CPU)
+        pass
+    try:
         from megatron.training import get_args
 
         args = get_args()
         for key in ("micro_batch_size", "global_batch_size", "seq_length", "num_layers", "hidden_size",
                     "num_experts", "moe_router_topk", "moe_token_dispatcher_type",
-                    "expert_model_parallel_size", "tensor_model_parallel_size"):
+                    "expert_model_parallel_size", "tensor_model_parallel_size",
+                    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"):
             meta[key] = getattr(args, key, None)
     except Exception:  # megatron's globals are not set (tests)
         pass

@@ -79,6 +79,23 @@ def test_profile_columns_average_the_ranks_and_the_table_compares_to_the_first_v
     assert bench.profile_columns([]) == {}
 
 
+def test_pipeline_pairs_split_each_rank_against_its_pipeline_peer():
+    def summary(rank, group, starts):
+        return {"rank": rank, "pp_group_ranks": group, "step_host_ms": 1.0, "p2p": {},
+                "p2p_kernels": [{"dir": "backward", "ts": t, "end": 100.0, "compute": []} for t in starts]}
+
+    ranks = [summary(0, [0, 2], [0.0]), summary(2, [0, 2], [60.0]), summary(1, [1, 3], [0.0])]
+    pairs = bench.pipeline_pairs(ranks)  # rank 1's peer 3 is missing
+    assert len(pairs) == 2
+    assert pairs[0]["backward"]["peer_wait_ms"] == pytest.approx(0.060)
+    assert pairs[1]["backward"]["peer_wait_ms"] == 0 and pairs[1]["backward"]["transfer_ms"] == pytest.approx(0.040)
+    columns = bench.profile_columns(ranks)
+    assert columns["p2p_paired_ranks"] == 2
+    assert columns["p2p_backward_transfer_exposed_ms_mean"] == pytest.approx(0.040)
+    assert columns["p2p_backward_peer_wait_ms_mean"] == pytest.approx(0.030)
+    assert bench.pipeline_pairs([summary(0, [0, 1, 2, 3], [0.0])]) == []  # PP=4: not paired
+
+
 def test_profile_iteration_must_follow_the_warm_up():
     for bad in (["--profile-iteration", "3"], ["--profile-iteration", "11"]):
         with pytest.raises(SystemExit):

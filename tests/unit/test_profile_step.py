@@ -177,6 +177,25 @@ def test_pipeline_p2p_kernels_and_their_exposed_time_by_direction():
     assert profiling.summarize_trace(synthetic_trace())["p2p"] == {}
 
 
+def test_p2p_kernels_listed_with_the_compute_inside_them_and_split_against_the_peer():
+    kernels = profiling.summarize_trace(p2p_trace())["p2p_kernels"]
+    assert [(k["dir"], k["ts"], k["end"]) for k in kernels] == [("backward", 200, 300), ("forward", 400, 450)]
+    assert kernels[0]["compute"] == [[270, 300]] and kernels[1]["compute"] == [[400, 450]]
+    # The peer's matching backward kernel starts at 250: 50 us waiting for it, 50 us transfer of
+    # which 270-300 overlaps compute; its forward kernel started first, so no wait there.
+    peer = [{"dir": "backward", "ts": 250, "end": 300, "compute": []},
+            {"dir": "forward", "ts": 390, "end": 450, "compute": []}]
+    split = profiling.split_p2p_wait(kernels, peer)
+    approx = pytest.approx
+    assert split["backward"] == {"kernels": 1, "peer_wait_ms": approx(0.050), "transfer_ms": approx(0.050),
+                                 "transfer_exposed_ms": approx(0.020)}
+    assert split["forward"]["peer_wait_ms"] == 0 and split["forward"]["transfer_exposed_ms"] == approx(0.0)
+    # a peer kernel starting after this one ended: all wait, no transfer
+    late = [dict(peer[0], ts=500, end=600), peer[1]]
+    assert profiling.split_p2p_wait(kernels, late)["backward"]["transfer_ms"] == 0
+    assert profiling.split_p2p_wait(kernels, peer[:1]) is None  # counts differ: no pairing
+
+
 def test_pipeline_calls_are_labelled_by_direction():
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
