@@ -38,7 +38,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.patchset import argsfile  # noqa: E402
+from megatron.patchset import argsfile, profiling  # noqa: E402
 
 # Dense bf16 matrix-multiply rate used as the MFU denominator, TFLOP/s. For Hopper it is the
 # rate measured on this workplace's H100/H200 (788-798 TFLOP/s for 8192^3 bf16 GEMMs); the
@@ -208,8 +208,6 @@ def pipeline_pairs(summaries: list[dict]) -> list[dict]:
     """For each rank whose pipeline group has two ranks (PP=2: both directions go to the same
     peer), its P2P kernels split into peer wait and transfer against the peer's
     (``profiling.split_p2p_wait``). Ranks whose peer's summary is missing are left out."""
-    from megatron.patchset import profiling
-
     by_rank = {s.get("rank"): s for s in summaries if s.get("rank") is not None}
     out = []
     for summary in summaries:
@@ -252,10 +250,7 @@ def format_profile_table(rows: list[dict]) -> str:
                       cell(r, "p2p_forward_kernel_ms_mean"), cell(r, "p2p_forward_exposed_ms_mean"),
                       cell(r, "gpu_idle_ms_mean"), versus(r.get("p2p_backward_exposed_ms_mean"), base),
                       versus(r.get("p2p_backward_transfer_exposed_ms_mean"), base_transfer)])
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
-    lines = ["| " + " | ".join(str(c).ljust(widths[i]) for i, c in enumerate(row)) + " |" for row in table]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return profiling.markdown_table(table)
 
 
 def format_table(rows: list[dict], peak: Optional[float]) -> str:
@@ -278,10 +273,7 @@ def format_table(rows: list[dict], peak: Optional[float]) -> str:
             f"{r['final_loss']:.6f}" if r.get("final_loss") is not None else "-",
             f"{base / r['step_ms']:.2f}x" if base else "-",
         ])
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
-    lines = ["| " + " | ".join(str(c).ljust(widths[i]) for i, c in enumerate(row)) + " |" for row in table]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return profiling.markdown_table(table)
 
 
 def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
@@ -381,8 +373,6 @@ def main(argv=None) -> int:
             safe = label.replace(" ", "_").replace("=", "-").replace("/", "-")
             profile_dir = None
             if opts.profile_iteration is not None:
-                from megatron.patchset import profiling
-
                 profile_dir = os.path.abspath(os.path.join(opts.out, f"{safe}-profile"))
                 env[profiling.PROFILE_ENV] = f"{profile_dir}:{opts.profile_iteration}"
             print(f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...", flush=True)

@@ -37,6 +37,7 @@ import bisect
 import contextlib
 import functools
 import heapq
+import itertools
 import json
 import os
 from collections import defaultdict
@@ -198,21 +199,21 @@ class Labels:
 # ---------------------------------------------------------------------------------------
 
 
+def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint union of the intervals (touching ones joined)."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def union_length(intervals: Iterable[tuple[float, float]], lo: float = float("-inf"),
                  hi: float = float("inf")) -> float:
     """Total length covered by the intervals (clipped to [lo, hi]), overlaps counted once."""
-    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo))
-    total, cur_start, cur_end = 0.0, None, None
-    for a, b in clipped:
-        if cur_end is None or a > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+    return sum(b - a for a, b in merge((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo)))
 
 
 def paint(intervals: list[tuple[float, float, Any]]) -> list[tuple[float, float, Any]]:
@@ -365,8 +366,9 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
         if e.get("cat") == "kernel":
             corr = (e.get("args") or {}).get("correlation")
             cats[correlation.get(corr, "other")]["gpu_kernel_us"] += float(e.get("dur") or 0)
-    p2p = p2p_exposure(device, p2p_launch, lo, gpu_hi)
-    p2p_list = p2p_kernels(device, p2p_launch, lo, gpu_hi)
+    p2p_spans, compute = split_kernels(device, p2p_launch)
+    p2p = p2p_exposure(p2p_spans, compute, lo, gpu_hi)
+    p2p_list = p2p_kernels(p2p_spans, compute, lo, gpu_hi)
 
     ms = 1e-3
     categories = {}
@@ -400,35 +402,37 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
     }
 
 
-def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted, disjoint union of the intervals."""
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
+def split_kernels(device: list[dict], p2p_launch: dict) -> tuple[list, list]:
+    """The step's kernels as ``(p2p, compute)``: ``p2p`` = ``(start, end, direction)`` of the
+    kernels launched by a pipeline P2P call, in start order; ``compute`` = ``(start, end)`` of the
+    kernels that are not NCCL's."""
+    p2p, compute = [], []
+    for e in device:
+        if e.get("cat") != "kernel":
+            continue
+        span = (float(e["ts"]), _end(e))
+        direction = p2p_launch.get((e.get("args") or {}).get("correlation"))
+        if direction is not None:
+            p2p.append((*span, direction))
+        elif not is_comm_kernel(e.get("name", "")):
+            compute.append(span)
+    p2p.sort()
+    return p2p, compute
 
 
-def p2p_kernels(device: list[dict], p2p_launch: dict, lo: float, hi: float) -> list[dict]:
+def p2p_kernels(p2p: list, compute: list, lo: float, hi: float) -> list[dict]:
     """Every pipeline P2P kernel of the step in start order: ``{"dir", "ts", "end", "compute"}``
     (microseconds on the trace's clock, which all processes of one host share), ``compute`` being
     the compute-kernel intervals inside the kernel's span. Enough to split each kernel, once it is
     paired with its peer's (:func:`split_p2p_wait`), into waiting for the peer and transferring."""
-    compute = merge((float(e["ts"]), _end(e)) for e in device
-                    if e.get("cat") == "kernel" and not is_comm_kernel(e.get("name", ""))
-                    and p2p_launch.get((e.get("args") or {}).get("correlation")) is None)
-    starts = [a for a, _ in compute]
+    merged = merge(compute)
+    starts = [a for a, _ in merged]
     out = []
-    for e in sorted(device, key=lambda e: float(e["ts"])):
-        direction = p2p_launch.get((e.get("args") or {}).get("correlation"))
-        if e.get("cat") != "kernel" or direction is None or _end(e) <= lo or float(e["ts"]) >= hi:
+    for a, b, direction in p2p:
+        if b <= lo or a >= hi:
             continue
-        a, b = float(e["ts"]), _end(e)
         inside = []
-        for i in range(max(0, bisect.bisect_right(starts, a) - 1), len(compute)):
-            c0, c1 = compute[i]
+        for c0, c1 in itertools.islice(merged, max(0, bisect.bisect_right(starts, a) - 1), None):
             if c0 >= b:
                 break
             if c1 > a:
@@ -464,23 +468,15 @@ def is_comm_kernel(name: str) -> bool:
     return "nccl" in name.lower()
 
 
-def p2p_exposure(device: list[dict], p2p_launch: dict, lo: float, hi: float) -> dict:
+def p2p_exposure(p2p: list, compute: list, lo: float, hi: float) -> dict:
     """Per direction of the pipeline P2P calls (``forward``, ``backward``, ``both``): how many
     kernels their launches produced, the time those kernels ran (union) and how much of it is
     *exposed*: P2P kernel time during which no compute kernel (any kernel that is not NCCL's)
     runs on the GPU. Overlapped P2P hides behind compute; exposed P2P is time the GPU spends
     on nothing but moving pipeline tensors (or waiting for the peer to send them)."""
     spans: dict[str, list] = defaultdict(list)
-    compute: list[tuple[float, float]] = []
-    for e in device:
-        if e.get("cat") != "kernel":
-            continue
-        span = (float(e["ts"]), _end(e))
-        direction = p2p_launch.get((e.get("args") or {}).get("correlation"))
-        if direction is not None:
-            spans[direction].append(span)
-        elif not is_comm_kernel(e.get("name", "")):
-            compute.append(span)
+    for a, b, direction in p2p:
+        spans[direction].append((a, b))
     compute_us = union_length(compute, lo, hi)
     out = {}
     for direction, items in sorted(spans.items()):
@@ -505,7 +501,7 @@ def format_summary(summary: dict) -> str:
         rows.append([title, f"{c['host_ms']:.2f}", f"{100 * c['host_ms'] / step:.1f}%" if step else "-",
                      f"{c['fwd_host_ms']:.2f}", f"{c['bwd_host_ms']:.2f}", str(c["launches"]),
                      str(c["syncs"]), str(c["scalar_reads"]), f"{c['gpu_kernel_ms']:.2f}" if gpu else "-"])
-    lines = [_markdown(rows), ""]
+    lines = [markdown_table(rows), ""]
     facts = [
         f"host time of the step: {step:.2f} ms",
         (f"GPU busy: {summary['gpu_busy_ms']:.2f} ms, idle: {summary['gpu_idle_ms']:.2f} ms "
@@ -526,11 +522,12 @@ def format_summary(summary: dict) -> str:
         for layer, values in summary["layers"].items():
             table.append([layer, *(f"{values.get(c, 0.0):.2f}" for c in cols),
                           f"{sum(values.values()):.2f}"])
-        lines += ["", "Host ms per layer (forward and backward):", "", _markdown(table)]
+        lines += ["", "Host ms per layer (forward and backward):", "", markdown_table(table)]
     return "\n".join(lines)
 
 
-def _markdown(rows: list[list[str]]) -> str:
+def markdown_table(rows: list[list[str]]) -> str:
+    """Rows of strings (the first is the header) as a Markdown table with aligned columns."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = ["| " + " | ".join(c.ljust(widths[i]) for i, c in enumerate(r)) + " |" for r in rows]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

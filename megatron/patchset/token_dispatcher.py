@@ -596,10 +596,10 @@ _REPAIR_LIBRARIES: dict = {}  # namespace -> torch.library.Library (registration
 _REPAIRED: set = set()
 
 
-def mutable_default_positions(schema) -> list[int]:
-    """Positions of the arguments an op mutates; those with a default are the ones torch's boxed
-    call may leave out."""
-    return [i for i, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+def mutated_arguments(schema) -> list[tuple[int, str]]:
+    """(position, name) of the arguments an op mutates."""
+    return [(i, arg.name) for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write]
 
 
 def repair_mutable_default_kernels(namespace: str) -> list[str]:
@@ -622,17 +622,15 @@ def repair_mutable_default_kernels(namespace: str) -> list[str]:
             continue
         packet = getattr(getattr(torch.ops, namespace), name)
         op = packet.default
-        mutated = mutable_default_positions(op._schema)
-        if not any(op._schema.arguments[i].has_default_value() for i in mutated):
+        mutated = tuple(mutated_arguments(op._schema))
+        # Only a mutated argument with a default can be left out of the boxed call.
+        if not any(op._schema.arguments[i].has_default_value() for i, _ in mutated):
             continue
 
-        def kernel(keyset, *args, _op=op, _mutated=tuple(mutated), **kwargs):
-            for index in _mutated:
-                if index < len(args) and isinstance(args[index], torch.Tensor):
-                    torch.autograd.graph.increment_version(args[index])
-            for arg in _op._schema.arguments:
-                value = kwargs.get(arg.name)
-                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+        def kernel(keyset, *args, _op=op, _mutated=mutated, **kwargs):
+            for index, arg_name in _mutated:
+                value = args[index] if index < len(args) else kwargs.get(arg_name)
+                if isinstance(value, torch.Tensor):
                     torch.autograd.graph.increment_version(value)
             return _op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
 
