@@ -989,8 +989,8 @@ FEATURES.append(
 
 # ---------------------------------------------------------------------------------------
 # --- MoE paged stashing (paged_stash.py) ---
-# Rules for --moe-paged-stash and the static HybridEP receive budget
-# (--moe-expert-rank-capacity-factor). They run before megatron's own checks so that every
+# Rules for --moe-paged-stash and the static HybridEP / NCCL EP receive budget
+# (--moe-expert-rank-capacity-factor, --moe-ncclep-static-shape). They run before megatron's own checks so that every
 # problem is reported at once and names its flags. Rules marked "mirrors megatron" restate
 # megatron-core 0.19.2's requirements (TransformerConfig.__post_init__, and the assertion in
 # TEGroupedMLP.__init__ that TE's op fuser supports the expert MLP) with the fix spelled out;
@@ -1068,6 +1068,54 @@ def _rank_capacity_factor_backend(args):
     if problems:
         return f"--moe-expert-rank-capacity-factor {factor} needs " + "; ".join(problems) + "."
     return None
+
+
+@rule(
+    "ncclep-static-shape",
+    phase="layout",
+    flags=("--moe-ncclep-static-shape", "--moe-ncclep-zero-copy", "--moe-flex-dispatcher-backend",
+           "--use-transformer-engine-op-fuser", "--moe-grouped-gemm"),
+)
+def _ncclep_static_shape(args):
+    """Mirrors megatron: _NCCLEPManager refuses the static receive shape without the op fuser and
+    grouped GEMM, and zero-copy without the static shape. Fork: the flags act only with ncclep."""
+    static = bool(getattr(args, "moe_ncclep_static_shape", False))
+    zero_copy = bool(getattr(args, "moe_ncclep_zero_copy", False))
+    if not (static or zero_copy):
+        return None
+    flag = "--moe-ncclep-static-shape" if static else "--moe-ncclep-zero-copy"
+    problems = []
+    if not _stash.ncclep(args):
+        problems.append("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend ncclep (the flag "
+                        "acts on the NCCL EP dispatcher only)")
+    if zero_copy and not static:
+        problems.append("--moe-ncclep-static-shape (zero-copy uses fixed [budget, hidden] buffers; megatron refuses it without)")
+    if static and not (getattr(args, "use_transformer_engine_op_fuser", False) and args.moe_grouped_gemm):
+        problems.append("--use-transformer-engine-op-fuser and --moe-grouped-gemm (the experts must take "
+                        "device-side per-expert counts over a static buffer; megatron refuses it otherwise)")
+    if problems:
+        return f"{flag} needs " + "; ".join(problems) + "."
+    return None
+
+
+@rule(
+    "paged-stash-ncclep-static-shape",
+    phase="layout",
+    flags=("--moe-paged-stash", "--moe-flex-dispatcher-backend", "--moe-ncclep-static-shape"),
+)
+def _paged_stash_ncclep_static_shape(args):
+    """Fork: with ncclep and no static shape the experts get the receive buffer narrowed to the
+    received rows (host sync), and megatron sizes the stash from that count divided by the rank
+    capacity factor, so the stash is too small and (almost) every step overflows and re-runs."""
+    if not (_stash.requested(args) and _stash.ncclep(args)) or getattr(args, "moe_ncclep_static_shape", False):
+        return None
+    return (
+        "--moe-paged-stash with --moe-flex-dispatcher-backend ncclep needs --moe-ncclep-static-shape: without "
+        "it NCCL EP hands the experts only the received rows (after a host sync), and megatron sizes the paged "
+        "stash from that count divided by --moe-expert-rank-capacity-factor, so the stash would overflow and "
+        "every step would be re-run without paging. With it the experts take the static [budget, hidden] "
+        "receive buffer (bf16 on Hopper: TE's op fuser, the fork's slack-row patch)."
+    )
 
 
 @rule(

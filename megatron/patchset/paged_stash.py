@@ -1,7 +1,8 @@
 """MoE paged stashing on Hopper in bf16 (megatron-core 0.19.2, TransformerEngine 2.20.2).
 
 megatron-core's paged stashing (``--moe-paged-stash`` with ``--moe-expert-rank-capacity-factor``,
-the ``hybridep`` flex dispatcher and TE's op fuser, ``--use-transformer-engine-op-fuser``) keeps
+the ``hybridep`` or ``ncclep`` flex dispatcher and TE's op fuser,
+``--use-transformer-engine-op-fuser``) keeps
 the expert MLP's saved activations in a pool of fixed-size pages instead of one static
 ``[budget, hidden]`` tensor per layer, so that a static per-rank receive budget (what makes the
 dispatch sync-free and graph-friendly) does not cost budget-sized activation memory. Upstream
@@ -39,6 +40,37 @@ megatron re-runs it (dropless, stash off), and when the re-run finished.
 
 The grouped-tensor GEMM path (cuBLASLt >= 13.4) keeps TE's own slack-row handling; on it the
 patch only marks the saved input (not exercised on this stack).
+
+**The ncclep backend** (TE 2.20's NCCL EP; facts from megatron-core 0.19.2's
+``transformer/moe/token_dispatcher.py``, ``experts.py`` and ``paged_stash.py``):
+
+- Expert input. ``_NCCLEPManager`` sizes its receive buffer once, at the first dispatch
+  (``_ensure_bootstrap``, token_dispatcher.py:1593-1609): local tokens rounded up to 64, x top-k
+  x ``--moe-expert-rank-capacity-factor``, rounded up to the alignment, which is 256 with the op
+  fuser (moe_utils.py:1407). Each local expert's rows are padded to that alignment and
+  ``tokens_per_expert`` counts the padding. Without ``--moe-ncclep-static-shape`` the experts get
+  the buffer narrowed to ``sum(tokens_per_expert)`` rows (a host sync, token_dispatcher.py:1694-1701),
+  so megatron's stash sizes its pages from that data-dependent count divided by the factor
+  (experts.py:654-670, paged_stash.py:569) and overflows, and re-runs, nearly every step; the
+  fork's rule ``paged-stash-ncclep-static-shape`` asks for the flag. With it the experts get the
+  whole static ``[budget, hidden]`` buffer with slack rows and ``[budget]`` fp32 probabilities,
+  as with HybridEP, and ``paged_stash.te_expert_ops`` applies unchanged (megatron allows the
+  static shape in bf16 on sm_90 with the op fuser and grouped GEMM, token_dispatcher.py:1534-1545).
+- Partial CUDA graphs. ``setup_metadata`` (token_dispatcher.py:1586-1591) sets
+  ``token_probs``/``token_indices`` (restored on replay, ``cudagraph_attrs`` line 1796) and
+  ``num_local_tokens``, a Python int that nothing resets; the budget is a bootstrap-time
+  attribute. Nothing is lost on replay, so no counterpart of
+  ``hybridep_budget_on_graph_replay`` is needed.
+- Budget overflow. NCCL EP cannot drop tokens: exceeding the budget traps the kernel (the run
+  dies; transformer_config.py:977-982). The manager has no ``over_budget`` flag, so
+  ``check_over_budget`` returns None (token_dispatcher.py:1988-1993), and its factor attribute is
+  ``rank_capacity_factor``, so ``prepare_for_rerun``'s ``hasattr(..,
+  'moe_expert_rank_capacity_factor')`` (paged_stash.py:1097-1101) is False: the re-run after a
+  stash overflow keeps the static budget and only turns paging off. ``report_overflow`` says so.
+  Be generous with the factor (the example uses 2.0).
+- ``--moe-ncclep-zero-copy`` (symmetric-memory FC2 output and FC1 dgrad buffers, passed to the
+  op fuser as ``out_buffer``/``dgrad_out``, which the patched split path honours) is not
+  exercised here.
 """
 
 from __future__ import annotations
@@ -90,6 +122,13 @@ def static_budget(args: Any) -> bool:
     (``--moe-expert-rank-capacity-factor``) with the TE op-fuser grouped MLP."""
     return getattr(args, "moe_expert_rank_capacity_factor", None) is not None and bool(
         getattr(args, "use_transformer_engine_op_fuser", False)
+    )
+
+
+def ncclep(args: Any) -> bool:
+    """Whether the flex dispatcher runs TE's NCCL EP (``--moe-flex-dispatcher-backend ncclep``)."""
+    return getattr(args, "moe_token_dispatcher_type", None) == "flex" and (
+        getattr(args, "moe_flex_dispatcher_backend", None) == "ncclep"
     )
 
 
@@ -368,8 +407,8 @@ def adopt_ops(ops: Any, grouped_linear: type, scaled_glu: type) -> int:
     "paged_stash.te_expert_ops",
     "megatron.core.transformer.moe.experts.TEGroupedMLP._make_fused_ops",
     reason="on Hopper with cuBLASLt < 13.4 TE's bf16 op-fuser grouped GEMM takes the split path "
-    "(split_sizes.tolist() + torch.split), which fails on the slack rows of HybridEP's static "
-    "expert buffer, and TE's basic GroupedLinear/ScaledSwiGLU ops never mark their saved "
+    "(split_sizes.tolist() + torch.split), which fails on the slack rows of the static expert "
+    "buffer (HybridEP with a budget, NCCL EP with --moe-ncclep-static-shape), and TE's basic GroupedLinear/ScaledSwiGLU ops never mark their saved "
     "activations for megatron's paged stash: give the experts' ops subclasses that run the GEMMs "
     "on the real rows (zero output/grad for slack rows) and save markable activations",
     upstream_pr="fork-only (TE marks activations only in its Blackwell fused grouped MLP; its "
@@ -546,6 +585,7 @@ class OverflowReport:
                 causes.append(f"stash buffer full on {stash_overflow} rank(s)")
             if over_budget:
                 causes.append(f"HybridEP receive budget exceeded (tokens dropped) on {over_budget} rank(s)")
+            keeps_budget = getattr(config, "moe_flex_dispatcher_backend", None) == "ncclep"
             hints = []
             if stash_overflow:
                 hints.append(
@@ -556,9 +596,14 @@ class OverflowReport:
                 hints.append(f"--moe-expert-rank-capacity-factor (now {getattr(config, 'moe_expert_rank_capacity_factor', '?')})")
             self.reruns += 1
             self.rerun_pending = True
+            how = (
+                "with the same NCCL EP receive budget (NCCL EP cannot drop tokens) and without paged stashing"
+                if keeps_budget
+                else "without the receive budget and without paged stashing"
+            )
             self.emit(
                 f"OVERFLOW in {step} ({'; '.join(causes)}): megatron re-runs the step on the same data "
-                f"without the receive budget and without paged stashing (gradients zeroed first). "
+                f"{how} (gradients zeroed first). "
                 f"Re-runs cost a step each; raise {' and '.join(hints)} to avoid them."
             )
             return
@@ -580,7 +625,8 @@ _REPORT = OverflowReport()
     "paged_stash.report_overflow",
     "megatron.core.transformer.moe.paged_stash.PagedStashRunner.check_moe_overflow",
     reason="one clear line when a step overflows the paged stash or the HybridEP receive budget "
-    "and megatron re-runs it, and when the re-run finished (megatron logs at INFO only)",
+    "and megatron re-runs it (with ncclep: budget kept, paging off), and when the re-run finished "
+    "(megatron logs at INFO only)",
     upstream_pr="fork-only (instrumentation)",
     flags=("--moe-expert-rank-capacity-factor",),
     enabled=lambda args: getattr(args, "moe_expert_rank_capacity_factor", None) is not None,

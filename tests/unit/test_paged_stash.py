@@ -26,7 +26,13 @@ STASH = (
 )
 GRAPHS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess")
 OURS = {"paged-stash-requirements", "rank-capacity-factor-backend", "paged-stash-op-fuser-expert-mlp",
-        "paged-stash-precision", "paged-stash-recompute", "paged-stash-cuda-graphs", "paged-stash-buffer-sizes"}
+        "paged-stash-precision", "paged-stash-recompute", "paged-stash-cuda-graphs", "paged-stash-buffer-sizes",
+        "ncclep-static-shape", "paged-stash-ncclep-static-shape"}
+NCCLEP_STASH = (
+    "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+    "--moe-flex-dispatcher-backend", "ncclep", "--moe-ncclep-static-shape", "--moe-expert-rank-capacity-factor", "2.0",
+    "--use-transformer-engine-op-fuser", "--moe-paged-stash",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +60,31 @@ def test_reference_paged_stash_configs_are_valid():
     assert failures("--moe-paged-stash-buffer-size-factor-cuda", "0.5", "--moe-paged-stash-buffer-size-factor-cpu", "1.0") == {}
     # the static budget alone (no stash) with graphs is fine too
     assert failures(*GRAPHS, base=STASH[:-1]) == {}
+
+
+def test_ncclep_paged_stash_configs_are_valid():
+    assert failures(base=NCCLEP_STASH) == {}
+    assert failures(*GRAPHS, base=NCCLEP_STASH) == {}
+    # the static budget alone (no stash), with and without the static shape
+    assert failures(*GRAPHS, base=NCCLEP_STASH[:-1]) == {}
+    assert failures(base=[a for a in NCCLEP_STASH[:-1] if a != "--moe-ncclep-static-shape"]) == {}
+
+
+def test_ncclep_paged_stash_needs_static_shape():
+    base = [a for a in NCCLEP_STASH if a != "--moe-ncclep-static-shape"]
+    msg = failures(base=base)["paged-stash-ncclep-static-shape"]
+    assert "needs --moe-ncclep-static-shape" in msg and "overflow" in msg
+    assert set(failures(base=base)) == {"paged-stash-ncclep-static-shape"}
+
+
+def test_ncclep_static_shape_requirements():
+    base = [a for a in NCCLEP_STASH[:-1] if a != "--use-transformer-engine-op-fuser"]
+    msg = failures(base=base)["ncclep-static-shape"]
+    assert msg.startswith("--moe-ncclep-static-shape needs") and "--use-transformer-engine-op-fuser" in msg
+    base = [a for a in NCCLEP_STASH if a != "--moe-ncclep-static-shape"][:-1] + ["--moe-ncclep-zero-copy"]
+    assert "--moe-ncclep-static-shape (zero-copy" in failures(base=base)["ncclep-static-shape"]
+    msg = failures("--moe-ncclep-static-shape")["ncclep-static-shape"]  # on hybridep
+    assert "--moe-flex-dispatcher-backend ncclep" in msg
 
 
 def test_paged_stash_requirements():
@@ -547,6 +578,16 @@ def test_overflow_report_lines():
     report(0, 0, 0, config=cfg)
     report(0, 0, 2, config=cfg)
     assert "pinned host memory on 2 rank(s)" in lines[-1] and report.reruns == 2
+
+
+def test_overflow_report_ncclep_keeps_budget():
+    lines = []
+    report = ps.OverflowReport(emit=lines.append)
+    cfg = types.SimpleNamespace(moe_paged_stash_buffer_size_factor_cuda=0.02, moe_paged_stash_buffer_size_factor_cpu=0.0,
+                                moe_expert_rank_capacity_factor=2.0, moe_flex_dispatcher_backend="ncclep")
+    report(1, 0, 0, config=cfg)
+    assert "stash buffer full on 1 rank(s)" in lines[0]
+    assert "with the same NCCL EP receive budget" in lines[0] and "without the receive budget" not in lines[0]
 
 
 def test_overflow_patch_prints_on_rank0(capsys):
