@@ -628,7 +628,8 @@ def test_buffer_report(capsys):
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("knobs", [{}, {"GRAPHS": "0", "STASH": "0"}])
+@pytest.mark.parametrize("knobs", [{}, {"GRAPHS": "0", "STASH": "0"}, {"BACKEND": "hybridep"},
+                                   {"BACKEND": "hybridep", "GRAPHS": "0", "STASH": "0"}])
 def test_example_script_passes_dry_run(knobs):
     from tests.unit.conftest import dry_run_example
 
@@ -638,4 +639,6 @@ def test_example_script_passes_dry_run(knobs):
     out = proc.stdout
     assert "expert model parallel (EP) ........ 2" in out and out.rstrip().endswith("dry-run: OK")
     assert "paged_stash.te_expert_ops" in out
-    assert ("paged_stash.hybridep_budget_on_graph_replay" in out) == (knobs.get("GRAPHS", "1") == "1")
+    hybridep = knobs.get("BACKEND", "ncclep") == "hybridep"
+    assert ("paged_stash.hybridep_budget_on_graph_replay" in out) == (hybridep and knobs.get("GRAPHS", "1") == "1")
+    assert ("token_dispatcher.ncclep_bootstrap " in out) == (not hybridep)
