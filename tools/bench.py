@@ -136,9 +136,13 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+def variant_files(out_dir: str, name: str) -> tuple[str, str]:
+    """The metrics (JSON lines) and log file of one variant in the output folder."""
+    return os.path.join(out_dir, f"{name}.jsonl"), os.path.join(out_dir, f"{name}.log")
+
+
 def run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout) -> tuple[int, str, str]:
-    metrics = os.path.join(out_dir, f"{name}.jsonl")
-    log = os.path.join(out_dir, f"{name}.log")
+    metrics, log = variant_files(out_dir, name)
     if os.path.exists(metrics):
         os.remove(metrics)
     env = dict(os.environ)
@@ -336,6 +340,10 @@ def main(argv=None) -> int:
                    help="run this iteration (1-based, after the warm-up) of every variant under "
                         "torch.profiler (megatron/patchset/profiling.py, every rank) and add a table "
                         "of exposed pipeline P2P time; the iteration is left out of the step time.")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild the table, bench.json and chart from the metrics files "
+                        "an earlier run with the same --out and variants left (for a run cut off after "
+                        "its variants had finished). Pass --peak-tflops when this machine has no GPU.")
     opts = p.parse_args(argv)
 
     variants = opts.variant or [("upstream", [])]
@@ -353,7 +361,8 @@ def main(argv=None) -> int:
     sweep_flag, sweep_values = opts.sweep if opts.sweep else (None, [None])
 
     os.makedirs(opts.out, exist_ok=True)
-    facts = device_facts()
+    # A rebuilt report cannot know the device of the original run: say so instead of guessing.
+    facts = {"report_only": True} if opts.report_only else device_facts()
     peak = opts.peak_tflops or default_peak(facts.get("device"))
     rows = []
     started = time.time()
@@ -375,10 +384,17 @@ def main(argv=None) -> int:
             if opts.profile_iteration is not None:
                 profile_dir = os.path.abspath(os.path.join(opts.out, f"{safe}-profile"))
                 env[profiling.PROFILE_ENV] = f"{profile_dir}:{opts.profile_iteration}"
-            print(f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...", flush=True)
-            code, metrics, log = run_variant(safe, entry + argv + flags, env, opts.nproc, opts.out, opts.timeout)
+            if opts.report_only:
+                metrics, log = variant_files(opts.out, safe)
+                code = 0 if os.path.exists(metrics) else 2
+            else:
+                print(f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...", flush=True)
+                code, metrics, log = run_variant(safe, entry + argv + flags, env, opts.nproc, opts.out, opts.timeout)
             row = {"variant": label, "flags": flags, "exit_code": code, "log": log}
-            if code != 0 or not os.path.exists(metrics):
+            if opts.report_only and code != 0:
+                row["error"] = f"no metrics file {metrics}"
+                print(f"[bench] {label}: {row['error']}", flush=True)
+            elif code != 0 or not os.path.exists(metrics):
                 row["error"] = f"exit code {code}"
                 print(f"[bench] {label} FAILED (exit {code}); last lines of {log}:\n{tail(log)}", flush=True)
             else:

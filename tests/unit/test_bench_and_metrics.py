@@ -102,6 +102,26 @@ def test_profile_iteration_must_follow_the_warm_up():
             bench.main(["--config", TINY, "--iters", "10", "--warmup", "3", *bad])
 
 
+def test_report_only_rebuilds_the_table_from_an_earlier_out_folder(tmp_path, capsys, monkeypatch):
+    def write(name, times):
+        with open(tmp_path / f"{name}.jsonl", "w") as handle:
+            for rec in records(times, [3.0] * len(times), world=1):
+                handle.write(json.dumps(rec) + "\n")
+
+    write("eager", [None, 1.0, 1.0, 1.0])
+    write("fast+scope", [None, 0.5, 0.5, 0.5])  # '+' kept, as in run names
+    monkeypatch.setattr(bench, "run_variant", lambda *a, **k: pytest.fail("--report-only must run nothing"))
+    code = bench.main(["--config", TINY, "--iters", "4", "--warmup", "1", "--out", str(tmp_path),
+                       "--report-only", "--peak-tflops", "790", "--variant", "eager=",
+                       "--variant", "fast+scope=--foo", "--variant", "missing="])
+    out = capsys.readouterr().out
+    assert code == 1  # the variant without metrics is reported as failed
+    assert "no metrics file" in out and "2.00x" in out
+    saved = json.load(open(tmp_path / "bench.json"))
+    assert saved["facts"] == {"report_only": True}
+    assert [v.get("step_ms") for v in saved["variants"]] == [1000.0, 500.0, None]
+
+
 def test_variant_and_assignment_parsing():
     assert bench.parse_variant("upstream") == ("upstream", [])
     assert bench.parse_variant("g=--cuda-graph-impl transformer_engine") == (
