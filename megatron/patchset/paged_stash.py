@@ -636,7 +636,9 @@ _REPORT = OverflowReport()
 def _wrap_check_overflow(original):
     @functools.wraps(original)
     def check_moe_overflow(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
+        # DeferredResultChecks already all-reduced this attempt's flags: use them, no second collective
+        cached = self.__dict__.pop(FLAGS_ATTR, None)
+        result = cached if cached is not None else original(self, *args, **kwargs)
         try:
             _REPORT(*result, config=getattr(self, "config", None))
         except Exception as exc:  # pragma: no cover - reporting must never break training
@@ -644,3 +646,91 @@ def _wrap_check_overflow(original):
         return result
 
     return check_moe_overflow
+
+
+# ---------------------------------------------------------------------------------------
+# Result checks of an attempt that overflowed
+# ---------------------------------------------------------------------------------------
+
+# The overflow flags of the attempt just run, kept on the runner for its own check_moe_overflow.
+FLAGS_ATTR = "_megatron_patchset_overflow_flags"
+
+
+class DeferredResultChecks:
+    """The forward-backward function of megatron's ``PagedStashRunner``, with the rerun state
+    machine's result checks (NaN loss, NaN gradient norm per DDP bucket, spiky loss) held back
+    while paged stashing is on, until the attempt's overflow flags are known.
+
+    An attempt that overflowed the stash restores garbage activations in backward, so its
+    gradients can be NaN; megatron-core 0.19.2 checks them inside the attempt, before its runner
+    looks at the overflow flags. The rerun state machine then takes the NaN for a fault, re-runs
+    the whole iteration (which overflows again on the same data) and saves a checkpoint and
+    exits (without ``--save``: a TypeError). Here the checks are recorded during a stashed
+    attempt and, once the (one, all-reduced) flags are in: replayed in order if nothing
+    overflowed, dropped if it did (the runner re-runs the step without stashing, and that
+    attempt is checked as usual).
+    """
+
+    def __init__(self, runner: Any, forward_backward_func: Callable, state_machine: Callable[[], Any],
+                 check_flags: Callable[[Any], tuple]):
+        self.runner = runner
+        self.forward_backward_func = forward_backward_func
+        self.state_machine = state_machine
+        self.check_flags = check_flags
+        self.dropped = 0
+
+    def stashing(self) -> bool:
+        return bool(getattr(getattr(self.runner, "config", None), "moe_paged_stash", False))
+
+    def __call__(self, *args, **kwargs):
+        if not self.stashing():  # the re-run attempt, or paging off: checked as usual
+            return self.forward_backward_func(*args, **kwargs)
+        machine = self.state_machine()
+        held: list[tuple[tuple, dict]] = []
+        machine.validate_result = lambda *a, **k: held.append((a, k))  # shadows the method
+        try:
+            result = self.forward_backward_func(*args, **kwargs)
+        finally:
+            del machine.validate_result
+        flags = tuple(self.check_flags(self.runner))
+        setattr(self.runner, FLAGS_ATTR, flags)
+        stash_overflow, over_budget = flags[0], flags[1]
+        if stash_overflow or over_budget:
+            self.dropped += len(held)
+            if held:
+                say(f"{len(held)} result check(s) of the overflowed attempt dropped (its gradients are not "
+                    f"used; the re-run is checked)")
+            return result
+        for a, k in held:
+            machine.validate_result(*a, **k)
+        return result
+
+
+def _upstream_check_flags(runner: Any) -> tuple:
+    """megatron's own check_moe_overflow (one all-reduce), without the fork's report wrapper."""
+    method = type(runner).check_moe_overflow
+    return getattr(method, "__wrapped__", method)(runner)
+
+
+@register(
+    "paged_stash.defer_result_checks",
+    "megatron.core.transformer.moe.paged_stash.PagedStashRunner.__init__",
+    reason="an attempt that overflows the paged stash has NaN gradients, which megatron's rerun "
+    "state machine checks inside the attempt, before the runner sees the overflow: it takes them "
+    "for a fault, re-runs the iteration (overflowing again) and exits; hold the checks until the "
+    "overflow flags are known and drop those of an overflowed attempt",
+    upstream_pr="fork-only (megatron-core 0.19.2's overflow re-run stops at the NaN check)",
+    flags=FLAGS[:1],
+    enabled=requested,
+    wraps=True,
+)
+def _wrap_runner_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        self.forward_backward_func = DeferredResultChecks(
+            self, self.forward_backward_func, get_rerun_state_machine, _upstream_check_flags)
+
+    return __init__

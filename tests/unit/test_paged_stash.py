@@ -9,6 +9,7 @@ stand-in written for these tests that keeps TE 2.20.2's split-path contract: hos
 saved-tensor layout ``[split_sizes, 4 x offsets, *inputs, *weights]`` and ``dgrad_out``.
 """
 
+import math
 import types
 
 import pytest
@@ -186,6 +187,8 @@ def test_patches_registered_with_targets_and_switches():
             "megatron.core.transformer.moe.paged_stash.PagedStashManager.allocate_stash_buffers", "observe"),
         "paged_stash.report_overflow": (
             "megatron.core.transformer.moe.paged_stash.PagedStashRunner.check_moe_overflow", "observe"),
+        "paged_stash.defer_result_checks": (
+            "megatron.core.transformer.moe.paged_stash.PagedStashRunner.__init__", "feature"),
     }
     for name, (target, kind) in expected.items():
         assert names[name].target == target and names[name].kind == kind and names[name].reason
@@ -200,7 +203,7 @@ def test_patches_registered_with_targets_and_switches():
 
 def test_megatron_targets_resolve():
     for name in ("paged_stash.te_expert_ops", "paged_stash.hybridep_budget_on_graph_replay",
-                 "paged_stash.report_buffers", "paged_stash.report_overflow"):
+                 "paged_stash.report_buffers", "paged_stash.report_overflow", "paged_stash.defer_result_checks"):
         owner, attr = patches.resolve_owner(patches.get(name).target)
         assert callable(getattr(owner, attr))
 
@@ -210,13 +213,16 @@ def test_megatron_patches_apply_and_revert():
 
     original = upstream.PagedStashRunner.check_moe_overflow
     names = ["paged_stash.report_overflow", "paged_stash.report_buffers", "paged_stash.hybridep_budget_on_graph_replay",
-             "paged_stash.te_expert_ops"]
+             "paged_stash.te_expert_ops", "paged_stash.defer_result_checks"]
+    original_init = upstream.PagedStashRunner.__init__
     try:
         patches.apply_patches([patches.get(n) for n in names])
         assert patches.patched_by(upstream.PagedStashRunner.check_moe_overflow) == "paged_stash.report_overflow"
+        assert patches.patched_by(upstream.PagedStashRunner.__init__) == "paged_stash.defer_result_checks"
     finally:
         patches.revert(names)
     assert upstream.PagedStashRunner.check_moe_overflow is original
+    assert upstream.PagedStashRunner.__init__ is original_init
 
 
 # ---------------------------------------------------------------------------------------
@@ -642,3 +648,109 @@ def test_example_script_passes_dry_run(knobs):
     hybridep = knobs.get("BACKEND", "ncclep") == "hybridep"
     assert ("paged_stash.hybridep_budget_on_graph_replay" in out) == (hybridep and knobs.get("GRAPHS", "1") == "1")
     assert ("token_dispatcher.ncclep_bootstrap " in out) == (not hybridep)
+
+
+# ---------------------------------------------------------------------------------------
+# Result checks held back during a stashed attempt
+# ---------------------------------------------------------------------------------------
+
+
+class CheckingMachine:
+    """Stands in for megatron's rerun state machine: records what validate_result was given."""
+
+    def __init__(self):
+        self.checked = []
+
+    def validate_result(self, result, rejection_func, message, **kwargs):
+        self.checked.append((result, message, rejection_func(result)))
+
+
+def _runner(stashing=True):
+    return types.SimpleNamespace(config=types.SimpleNamespace(moe_paged_stash=stashing))
+
+
+def _attempt(machine, results):
+    """A forward-backward that checks its loss and a gradient norm, as megatron's does."""
+
+    def forward_backward(**kwargs):
+        for message, value in results:
+            machine.validate_result(value, math.isnan, message)
+        return "losses"
+
+    return forward_backward
+
+
+def test_checks_of_a_clean_stashed_attempt_are_replayed_in_order():
+    machine, runner = CheckingMachine(), _runner()
+    deferred = ps.DeferredResultChecks(runner, _attempt(machine, [("loss", 2.5), ("grad norm", 1.0)]),
+                                       lambda: machine, lambda r: (0, 0, 0))
+    assert deferred(forward_only=False) == "losses"
+    assert machine.checked == [(2.5, "loss", False), (1.0, "grad norm", False)]
+    assert getattr(runner, ps.FLAGS_ATTR) == (0, 0, 0)
+    assert "validate_result" not in vars(machine)  # the method is back
+
+
+def test_checks_of_an_overflowed_attempt_are_dropped(capsys):
+    machine, runner = CheckingMachine(), _runner()
+    nan = float("nan")
+    deferred = ps.DeferredResultChecks(runner, _attempt(machine, [("loss", 2.5), ("grad norm", nan)]),
+                                       lambda: machine, lambda r: (1, 0, 0))
+    deferred(forward_only=False)
+    assert machine.checked == [] and deferred.dropped == 2
+    assert "2 result check(s) of the overflowed attempt dropped" in capsys.readouterr().out
+    # the re-run attempt (megatron turned paging off) is checked as it runs
+    runner.config.moe_paged_stash = False
+    deferred.forward_backward_func = _attempt(machine, [("grad norm", 3.0)])
+    deferred(forward_only=False)
+    assert machine.checked == [(3.0, "grad norm", False)]
+
+
+def test_method_is_restored_when_the_attempt_raises():
+    machine, runner = CheckingMachine(), _runner()
+
+    def broken(**kwargs):
+        raise RuntimeError("boom")
+
+    deferred = ps.DeferredResultChecks(runner, broken, lambda: machine, lambda r: (0, 0, 0))
+    with pytest.raises(RuntimeError, match="boom"):
+        deferred()
+    assert "validate_result" not in vars(machine)
+
+
+def test_megatron_rerun_state_machine_can_be_deferred():
+    from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
+
+    machine = RerunStateMachine(mode=RerunMode.DISABLED)
+    runner = _runner()
+    deferred = ps.DeferredResultChecks(runner, _attempt(machine, [("loss", 1.0)]), lambda: machine,
+                                       lambda r: (0, 0, 0))
+    deferred()  # the finite loss passes megatron's own check on replay
+    assert machine.validate_result.__func__ is RerunStateMachine.validate_result
+
+
+def test_report_uses_the_flags_the_deferral_already_reduced(capsys):
+    calls = []
+
+    class Runner:
+        config = None
+
+        def check(self):
+            calls.append(1)
+            return (0, 0, 0)
+
+    wrapped = patches.get("paged_stash.report_overflow").factory(Runner.check)
+    runner = Runner()
+    setattr(runner, ps.FLAGS_ATTR, (0, 0, 1))
+    assert wrapped(runner) == (0, 0, 1) and calls == []  # no second all-reduce
+    assert wrapped(runner) == (0, 0, 0) and calls == [1]  # consumed once
+    assert "spilled activations" in capsys.readouterr().out
+
+
+def test_upstream_check_flags_skips_the_report_wrapper():
+    class Runner:
+        def check_moe_overflow(self):
+            return (1, 0, 0)
+
+    Runner.check_moe_overflow = patches.get("paged_stash.report_overflow").factory(Runner.check_moe_overflow)
+    ps._upstream_check_flags(Runner())
+    assert ps._REPORT.rerun_pending is False  # the report wrapper did not run
