@@ -752,5 +752,6 @@ def test_upstream_check_flags_skips_the_report_wrapper():
             return (1, 0, 0)
 
     Runner.check_moe_overflow = patches.get("paged_stash.report_overflow").factory(Runner.check_moe_overflow)
-    ps._upstream_check_flags(Runner())
-    assert ps._REPORT.rerun_pending is False  # the report wrapper did not run
+    ps._REPORT.rerun_pending = False
+    assert ps._upstream_check_flags(Runner()) == (1, 0, 0)  # megatron's flags, as they are
+    assert ps._REPORT.rerun_pending is False  # the report wrapper did not run (it would flag a re-run)
