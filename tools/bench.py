@@ -9,11 +9,15 @@ Every variant trains the config through ``pretrain_gpt.py`` under ``torchrun`` f
 iterations with ``MEGATRON_PATCHSET_METRICS`` set, so megatron's own training loop records
 each iteration's exact loss, wall-clock time, FLOPs (megatron's formula) and memory. The
 variant named ``upstream`` is the baseline: unpatched megatron-core (``MEGATRON_PATCHSET=off``,
-or Megatron-LM's own script through ``tools/run_upstream.py`` with ``--upstream-script``).
+or Megatron-LM's own script through ``tools/run_upstream.py`` with ``--upstream-script``); so is
+any variant named ``upstream-...``, with upstream flags of its own (``upstream-graphs=--cuda-graph-impl
+transformer_engine``).
 
 Per variant it prints: median step time after ``--warmup`` iterations, tokens/s, model
 TFLOP/s per GPU and MFU against the GPU's bf16 peak, peak memory (max over ranks), final loss
-and the speed-up over the first variant. It writes ``bench.json`` and ``bench.png`` (step
+and the speed-up over the first variant (of the same sweep value). With ``--set timing-log-level=1``
+two more columns: megatron's ``forward-backward`` timer (all micro-batches, no optimizer) and its
+MFU. It writes ``bench.json`` and ``bench.png`` (step
 time, MFU, memory and loss curves) into ``--out``.
 
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
@@ -128,6 +132,11 @@ def summarize(records: list[dict], warmup: int, peak_tflops: Optional[float],
         "grad_norms": [r.get("grad_norm") for r in iters],
         "step_ms_series": [None if r.get("time_s") is None else r["time_s"] * 1e3 for r in iters],
     }
+    fwd_bwd = [r["fwd_bwd_s"] for r in timed if r.get("fwd_bwd_s")]
+    if fwd_bwd:  # megatron's forward-backward timer (--timing-log-level 1): no optimizer
+        median = statistics.median(fwd_bwd)
+        result["fwd_bwd_ms"] = median * 1e3
+        result["fwd_bwd_mfu"] = last["flops"] / median / world / 1e12 / peak_tflops if peak_tflops else None
     return result
 
 
@@ -257,16 +266,30 @@ def format_profile_table(rows: list[dict]) -> str:
     return profiling.markdown_table(table)
 
 
+def is_upstream(name: str, flags: list) -> bool:
+    """'upstream' alone, or any variant named 'upstream-...' (with upstream flags), runs unpatched."""
+    return (name == "upstream" and not flags) or name.startswith("upstream-")
+
+
 def format_table(rows: list[dict], peak: Optional[float]) -> str:
+    """One row per variant; the speed-up is against the first variant of the same sweep value.
+    With megatron's forward-backward timer recorded, three columns more: its time, MFU and speed-up."""
+    fwd_bwd = any(r.get("fwd_bwd_ms") for r in rows)
     head = ["variant", "step ms", "tokens/s", "TFLOP/s/GPU", f"MFU@{peak:.0f}" if peak else "MFU",
             "peak alloc GiB", "peak resv GiB", "final loss", "speed-up"]
+    if fwd_bwd:
+        head[2:2] = ["fwd+bwd ms", "fwd+bwd MFU", "fwd+bwd speed-up"]
     table = [head]
-    base = rows[0]["step_ms"] if rows and rows[0].get("step_ms") else None
+    firsts: dict = {}
     for r in rows:
+        firsts.setdefault(r.get("sweep_value"), r)
+    for r in rows:
+        first = firsts[r.get("sweep_value")]
+        base = first.get("step_ms") if not first.get("error") else None
         if r.get("error"):
-            table.append([r["variant"], "FAILED", r["error"][:60], "", "", "", "", "", ""])
+            table.append([r["variant"], "FAILED", r["error"][:60]] + [""] * (len(head) - 3))
             continue
-        table.append([
+        row = [
             r["variant"],
             f"{r['step_ms']:.1f}",
             f"{r['tokens_per_s']:,.0f}",
@@ -276,7 +299,13 @@ def format_table(rows: list[dict], peak: Optional[float]) -> str:
             f"{r['peak_reserved_gib']:.2f}" if r.get("peak_reserved_gib") is not None else "-",
             f"{r['final_loss']:.6f}" if r.get("final_loss") is not None else "-",
             f"{base / r['step_ms']:.2f}x" if base else "-",
-        ])
+        ]
+        if fwd_bwd:
+            ok = r.get("fwd_bwd_ms") and first.get("fwd_bwd_ms")
+            row[2:2] = [f"{r['fwd_bwd_ms']:.1f}" if r.get("fwd_bwd_ms") else "-",
+                        f"{100 * r['fwd_bwd_mfu']:.1f}%" if r.get("fwd_bwd_mfu") is not None else "-",
+                        f"{first['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ok else "-"]
+        table.append(row)
     return profiling.markdown_table(table)
 
 
@@ -371,7 +400,7 @@ def main(argv=None) -> int:
             label = name if value is None else f"{name} {sweep_flag[2:]}={value}"
             argv = base_argv if value is None else argsfile.override(base_argv, sweep_flag, value)
             env = {}
-            if name == "upstream" and not flags:
+            if is_upstream(name, flags):
                 if opts.upstream_script:
                     entry = [os.path.join(ROOT, "tools", "run_upstream.py"), opts.upstream_script]
                 else:
@@ -390,7 +419,7 @@ def main(argv=None) -> int:
             else:
                 print(f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...", flush=True)
                 code, metrics, log = run_variant(safe, entry + argv + flags, env, opts.nproc, opts.out, opts.timeout)
-            row = {"variant": label, "flags": flags, "exit_code": code, "log": log}
+            row = {"variant": label, "flags": flags, "exit_code": code, "log": log, "sweep_value": value}
             if opts.report_only and code != 0:
                 row["error"] = f"no metrics file {metrics}"
                 print(f"[bench] {label}: {row['error']}", flush=True)

@@ -60,7 +60,8 @@ class MetricsRecorder:
             self._file = open(self.path, "a", buffering=1)
         self._file.write(json.dumps(record) + "\n")
 
-    def iteration(self, *, iteration, loss_dict, grad_norm, learning_rate, loss_scale, skipped_iter, num_zeros) -> None:
+    def iteration(self, *, iteration, loss_dict, grad_norm, learning_rate, loss_scale, skipped_iter, num_zeros,
+                  fwd_bwd_s: Optional[float] = None) -> None:
         import torch
         from megatron.training import get_args
         from megatron.training.training import num_floating_point_operations
@@ -87,6 +88,8 @@ class MetricsRecorder:
             "flops": float(num_floating_point_operations(args, batch)),
             "world_size": args.world_size,
         }
+        if fwd_bwd_s is not None:
+            record["fwd_bwd_s"] = fwd_bwd_s
         if torch.cuda.is_available():
             record["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             record["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -124,6 +127,20 @@ def recorder() -> Optional[MetricsRecorder]:
     return _RECORDER
 
 
+def forward_backward_seconds() -> Optional[float]:
+    """This iteration's time in megatron's ``forward-backward`` timer (all micro-batches, no
+    optimizer), read before ``training_log`` resets it. Needs ``--timing-log-level 1`` (below
+    that the timer does not exist) and ``--log-interval 1`` (else the timer sums iterations)."""
+    from megatron.training import get_args
+    from megatron.training.global_vars import get_timers
+
+    args = get_args()
+    if getattr(args, "timing_log_level", 0) < 1 or getattr(args, "log_interval", 1) != 1:
+        return None
+    timer = getattr(get_timers(), "_timers", {}).get("forward-backward")
+    return None if timer is None else timer.elapsed(reset=False)
+
+
 @register(
     "training.metrics_jsonl",
     "megatron.training.training.training_log",
@@ -139,6 +156,7 @@ def _wrap_training_log(original):
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                      report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
                      *args, **kwargs):
+        fwd_bwd_s = forward_backward_seconds()
         result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                           report_memory_flag, skipped_iter, grad_norm, params_norm,
                           num_zeros_in_grad, *args, **kwargs)
@@ -152,6 +170,7 @@ def _wrap_training_log(original):
                 loss_scale=loss_scale,
                 skipped_iter=skipped_iter,
                 num_zeros=num_zeros_in_grad,
+                fwd_bwd_s=fwd_bwd_s,
             )
         return result
 

@@ -183,3 +183,82 @@ def test_metrics_patch_records_exact_values(tmp_path, monkeypatch):
     assert lines[0]["grad_norm"] == 0.123456789
     assert lines[0]["time_s"] is None and lines[1]["time_s"] >= 0
     assert lines[0]["tokens"] == 16 * 1024 and lines[0]["flops"] > 0
+
+
+def test_forward_backward_columns_and_speedup_per_sweep_value():
+    """megatron's forward-backward timer gives its own time, MFU and speed-up; with a sweep, each
+    value's rows are compared to that value's first variant, not to the first row of the run."""
+    def variant(times, fwd_bwd, tokens):
+        recs = records(times, [3.0] * len(times), tokens=tokens, world=1)
+        for rec, fb in zip(recs, fwd_bwd):
+            rec["fwd_bwd_s"] = fb
+        return recs
+
+    rows = []
+    for value, name, times, fb in (("1", "upstream", [None, 0.4, 0.4], [None, 0.3, 0.3]),
+                                   ("1", "fork", [None, 0.2, 0.2], [None, 0.1, 0.1]),
+                                   ("4", "upstream", [None, 1.0, 1.0], [None, 0.8, 0.8]),
+                                   ("4", "fork", [None, 0.5, 0.5], [None, 0.4, 0.4])):
+        row = bench.summarize(variant(times, fb, 4096), warmup=1, peak_tflops=800.0)
+        row.update(variant=f"{name} micro-batch-size={value}", sweep_value=value)
+        rows.append(row)
+    assert rows[1]["fwd_bwd_ms"] == pytest.approx(100.0)
+    assert rows[1]["fwd_bwd_mfu"] == pytest.approx(2.0e15 / 0.1 / 1e12 / 800.0)
+    table = bench.format_table(rows, 800.0).splitlines()
+    assert "fwd+bwd ms" in table[0] and "fwd+bwd MFU" in table[0]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    speed, fb_speed = head.index("speed-up"), head.index("fwd+bwd speed-up")
+    assert [c[speed] for c in cells] == ["1.00x", "2.00x", "1.00x", "2.00x"]
+    assert [c[fb_speed] for c in cells] == ["1.00x", "3.00x", "1.00x", "2.00x"]
+
+
+def test_table_without_the_timer_keeps_its_columns():
+    row = bench.summarize(records([None, 0.5, 0.5], [2, 1, 1]), warmup=1, peak_tflops=None)
+    assert "fwd_bwd_ms" not in row
+    assert "fwd+bwd" not in bench.format_table([dict(row, variant="a")], None)
+
+
+def test_upstream_variants_run_unpatched():
+    assert bench.is_upstream("upstream", [])
+    assert bench.is_upstream("upstream-graphs", ["--cuda-graph-impl", "transformer_engine"])
+    assert not bench.is_upstream("upstream", ["--compile-transformer-layers"])  # historic meaning: fork run
+    assert not bench.is_upstream("fork", [])
+
+
+def test_metrics_patch_records_megatrons_forward_backward_timer(tmp_path, monkeypatch):
+    """With --timing-log-level 1 the record carries the forward-backward timer's value, read before
+    training_log (which resets it); without it, no such field."""
+    import megatron.training
+    import megatron.training.global_vars as global_vars
+    import megatron.core.num_microbatches_calculator as nmc
+    import torch
+    from megatron.core.timers import Timers
+    from megatron.patchset import training as ps_training
+
+    path = tmp_path / "m.jsonl"
+    monkeypatch.setenv("MEGATRON_PATCHSET_METRICS", str(path))
+    args = validated(argsfile.read(TINY))
+    args.padded_vocab_size = 4096
+    monkeypatch.setattr(megatron.training, "get_args", lambda: args)
+    monkeypatch.setattr(nmc, "get_current_global_batch_size", lambda: 16)
+    monkeypatch.setattr(ps_training, "_RECORDER", None)
+    timers = Timers(1, "max")
+    monkeypatch.setattr(global_vars, "get_timers", lambda: timers)
+
+    def fake_training_log(*a, **k):  # megatron's training_log resets the timers it logs
+        timers("forward-backward").reset()
+
+    wrapped = patches.get("training.metrics_jsonl").factory(fake_training_log)
+    loss = torch.tensor(1.0)
+    args.timing_log_level = 0
+    wrapped({"lm loss": loss}, {}, 1e-3, 1, 1.0, True, 0, 0.5, None, None)
+    args.timing_log_level = 1
+    timers("forward-backward", log_level=1).set_elapsed(0.25)
+    wrapped({"lm loss": loss}, {}, 1e-3, 2, 1.0, True, 0, 0.5, None, None)
+    args.log_interval = 2  # the timer would sum two iterations: not recorded
+    timers("forward-backward").set_elapsed(0.5)
+    wrapped({"lm loss": loss}, {}, 1e-3, 3, 1.0, True, 0, 0.5, None, None)
+    lines = [json.loads(l) for l in path.read_text().splitlines()]
+    assert ["fwd_bwd_s" in l for l in lines] == [False, True, False]
+    assert lines[1]["fwd_bwd_s"] == 0.25
