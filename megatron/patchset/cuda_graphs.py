@@ -294,14 +294,20 @@ def _te_graphs_wanted(args: Any) -> bool:
     return args is not None and getattr(args, "cuda_graph_impl", "none") == "transformer_engine"
 
 
+def _te_graphs_not_bf16(args: Any) -> bool:
+    """Upstream's capture inputs are bf16: only a fp32/fp16 model needs the dtype patch (a bf16
+    model then still runs upstream's code, so MEGATRON_PATCHSET=off can graph it)."""
+    return _te_graphs_wanted(args) and not getattr(args, "bf16", False)
+
+
 @register(
     "cuda_graphs.static_inputs_params_dtype",
     "megatron.core.transformer.module.GraphableMegatronModule.get_layer_static_inputs",
     reason="capture sample hidden states are hard-coded bf16; a fp32 or fp16 model captures graphs "
     "for the wrong dtype: use config.params_dtype",
     upstream_pr=UPSTREAM_PR,
-    flags=("--cuda-graph-impl transformer_engine",),
-    enabled=_te_graphs_wanted,
+    flags=("--cuda-graph-impl transformer_engine without --bf16",),
+    enabled=_te_graphs_not_bf16,
     wraps=True,
 )
 def _static_inputs(original):

@@ -656,6 +656,65 @@ def _wrap_check_overflow(original):
 FLAGS_ATTR = "_megatron_patchset_overflow_flags"
 
 
+class RngStates:
+    """Every random stream a training step draws from, saved and put back: Python's, NumPy's,
+    torch's CPU and CUDA default generators (what megatron's rerun state machine saves for its own
+    re-runs) and the named states of megatron's CUDA RNG tracker (model-parallel dropout; with
+    ``--te-rng-tracker`` / CUDA graphs these are graph-safe ``torch.Generator`` objects, saved by
+    value and set in place so that captured graphs keep their generator)."""
+
+    def __init__(self, tracker: Optional[Callable[[], Any]] = None, cuda: Optional[bool] = None):
+        self._tracker = tracker
+        self._cuda = cuda
+
+    def cuda(self) -> bool:
+        import torch
+
+        return torch.cuda.is_available() if self._cuda is None else self._cuda
+
+    def tracker(self) -> Any:
+        if self._tracker is not None:
+            return self._tracker()
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        return get_cuda_rng_tracker()
+
+    def save(self) -> dict:
+        import random
+
+        import numpy as np
+        import torch
+
+        named = {}
+        for name, state in self.tracker().get_states().items():
+            named[name] = state.get_state() if isinstance(state, torch.Generator) else state.clone()
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if self.cuda() else None, "tracker": named}
+
+    def restore(self, saved: dict) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        random.setstate(saved["python"])
+        np.random.set_state(saved["numpy"])
+        torch.set_rng_state(saved["cpu"])
+        if saved["cuda"] is not None:
+            torch.cuda.set_rng_state(saved["cuda"])
+        tracker = self.tracker()
+        current = tracker.get_states()
+        tensors = {}
+        for name, value in saved["tracker"].items():
+            live = current.get(name)
+            if isinstance(live, torch.Generator):
+                live.set_state(value)  # in place: a captured graph holds this generator
+                tensors[name] = live
+            else:
+                tensors[name] = value.clone()
+        tracker.set_states(tensors)
+
+
 class DeferredResultChecks:
     """The forward-backward function of megatron's ``PagedStashRunner``, with the rerun state
     machine's result checks (NaN loss, NaN gradient norm per DDP bucket, spiky loss) held back
@@ -668,11 +727,14 @@ class DeferredResultChecks:
     exits (without ``--save``: a TypeError). Here the checks are recorded during a stashed
     attempt and, once the (one, all-reduced) flags are in: replayed in order if nothing
     overflowed, dropped if it did (the runner re-runs the step without stashing, and that
-    attempt is checked as usual).
+    attempt is checked as usual). An overflowed attempt's random draws are undone as well
+    (``RngStates``): megatron's runner does not, so with dropout the re-run, and every step after
+    it, would draw other masks than a run that never overflowed.
     """
 
     def __init__(self, runner: Any, forward_backward_func: Callable, state_machine: Callable[[], Any],
-                 check_flags: Callable[[Any], tuple]):
+                 check_flags: Callable[[Any], tuple], rng: Optional["RngStates"] = None):
+        self.rng = rng or RngStates()
         self.runner = runner
         self.forward_backward_func = forward_backward_func
         self.state_machine = state_machine
@@ -688,6 +750,7 @@ class DeferredResultChecks:
         machine = self.state_machine()
         held: list[tuple[tuple, dict]] = []
         machine.validate_result = lambda *a, **k: held.append((a, k))  # shadows the method
+        rng = self.rng.save()
         try:
             result = self.forward_backward_func(*args, **kwargs)
         finally:
@@ -700,6 +763,8 @@ class DeferredResultChecks:
             if held:
                 say(f"{len(held)} result check(s) of the overflowed attempt dropped (its gradients are not "
                     f"used; the re-run is checked)")
+            # the re-run draws the attempt's dropout masks again, as a step that never paged would
+            self.rng.restore(rng)
             return result
         for a, k in held:
             machine.validate_result(*a, **k)
@@ -718,7 +783,8 @@ def _upstream_check_flags(runner: Any) -> tuple:
     reason="an attempt that overflows the paged stash has NaN gradients, which megatron's rerun "
     "state machine checks inside the attempt, before the runner sees the overflow: it takes them "
     "for a fault, re-runs the iteration (overflowing again) and exits; hold the checks until the "
-    "overflow flags are known and drop those of an overflowed attempt",
+    "overflow flags are known and drop those of an overflowed attempt, and put back the RNG states "
+    "the attempt advanced (dropout), so the re-run equals a step that never overflowed",
     upstream_pr="fork-only (megatron-core 0.19.2's overflow re-run stops at the NaN check)",
     flags=FLAGS[:1],
     enabled=requested,

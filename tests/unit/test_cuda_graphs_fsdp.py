@@ -492,11 +492,14 @@ def test_patch_targets_and_flags():
         assert patch.kind == "feature" and "4232" in patch.upstream_pr and patch.reason
     args = types.SimpleNamespace(use_megatron_fsdp=True, cuda_graph_impl="transformer_engine")
     eager = types.SimpleNamespace(use_megatron_fsdp=True, cuda_graph_impl="none")
-    ddp_graphs = types.SimpleNamespace(use_megatron_fsdp=False, cuda_graph_impl="transformer_engine")
+    ddp_graphs = types.SimpleNamespace(use_megatron_fsdp=False, cuda_graph_impl="transformer_engine", bf16=False)
+    bf16_graphs = types.SimpleNamespace(use_megatron_fsdp=False, cuda_graph_impl="transformer_engine", bf16=True)
     assert patches.get("cuda_graphs.fsdp_capture_helper").wanted(args)
     assert not patches.get("cuda_graphs.fsdp_capture_helper").wanted(eager)
     assert not patches.get("cuda_graphs.fsdp_capture_helper").wanted(ddp_graphs)
     assert patches.get("cuda_graphs.static_inputs_params_dtype").wanted(ddp_graphs)
+    # a bf16 model gets upstream's bf16 capture inputs already: no patch, so upstream mode can graph it
+    assert not patches.get("cuda_graphs.static_inputs_params_dtype").wanted(bf16_graphs)
 
 
 def test_hooks_fire_around_capture_and_replay(module_patches):

@@ -755,3 +755,49 @@ def test_upstream_check_flags_skips_the_report_wrapper():
     ps._REPORT.rerun_pending = False
     assert ps._upstream_check_flags(Runner()) == (1, 0, 0)  # megatron's flags, as they are
     assert ps._REPORT.rerun_pending is False  # the report wrapper did not run (it would flag a re-run)
+
+
+class FakeTracker:
+    """megatron's RNG tracker interface: named states, tensors or (graph-safe) Generators."""
+
+    def __init__(self):
+        gen = torch.Generator()
+        gen.manual_seed(7)
+        self.states_ = {"model-parallel-rng": gen, "data-parallel-rng": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = states
+
+
+def _drawing_attempt(tracker, draws):
+    """A forward-backward with dropout: draws from every stream the step uses."""
+    import random
+
+    def forward_backward(**kwargs):
+        gen = tracker.states_["model-parallel-rng"]
+        draws.append((random.random(), torch.rand(1).item(), torch.rand(1, generator=gen).item()))
+        tracker.states_["data-parallel-rng"] = tracker.states_["data-parallel-rng"] + 1  # advanced in place
+        return "losses"
+
+    return forward_backward
+
+
+@pytest.mark.parametrize("overflowed", [True, False])
+def test_an_overflowed_attempts_random_draws_are_undone(overflowed):
+    """After an overflowed attempt the re-run draws the same numbers again (as a step that never
+    paged); after a clean attempt the streams go on."""
+    tracker, draws = FakeTracker(), []
+    machine, runner = CheckingMachine(), _runner()
+    generator = tracker.states_["model-parallel-rng"]
+    deferred = ps.DeferredResultChecks(runner, _drawing_attempt(tracker, draws), lambda: machine,
+                                       lambda r: (int(overflowed), 0, 0),
+                                       rng=ps.RngStates(tracker=lambda: tracker, cuda=False))
+    deferred(forward_only=False)
+    runner.config.moe_paged_stash = False  # megatron's re-run (or, clean, the next step) pages no more
+    deferred(forward_only=False)
+    assert (draws[1] == draws[0]) is overflowed
+    assert tracker.states_["model-parallel-rng"] is generator  # set in place: a graph keeps its generator
+    assert tracker.states_["data-parallel-rng"].tolist() == ([2, 3, 4] if overflowed else [3, 4, 5])
