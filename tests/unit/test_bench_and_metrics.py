@@ -151,11 +151,10 @@ def test_example_configs_parse_with_megatron():
         assert args.num_experts and args.mock_data
 
 
-def test_metrics_patch_records_exact_values(tmp_path, monkeypatch):
-    """The observe patch wraps training_log, calls the original, and appends exact values."""
+def metrics_setup(tmp_path, monkeypatch):
+    """Metrics on, megatron's args (tiny config) and global batch 16 as training_log sees them."""
     import megatron.training
     import megatron.core.num_microbatches_calculator as nmc
-    import torch
     from megatron.patchset import training as ps_training
 
     path = tmp_path / "m.jsonl"
@@ -165,6 +164,14 @@ def test_metrics_patch_records_exact_values(tmp_path, monkeypatch):
     monkeypatch.setattr(megatron.training, "get_args", lambda: args)
     monkeypatch.setattr(nmc, "get_current_global_batch_size", lambda: 16)
     monkeypatch.setattr(ps_training, "_RECORDER", None)
+    return path, args
+
+
+def test_metrics_patch_records_exact_values(tmp_path, monkeypatch):
+    """The observe patch wraps training_log, calls the original, and appends exact values."""
+    import torch
+
+    path, args = metrics_setup(tmp_path, monkeypatch)
 
     calls = []
 
@@ -229,20 +236,11 @@ def test_upstream_variants_run_unpatched():
 def test_metrics_patch_records_megatrons_forward_backward_timer(tmp_path, monkeypatch):
     """With --timing-log-level 1 the record carries the forward-backward timer's value, read before
     training_log (which resets it); without it, no such field."""
-    import megatron.training
     import megatron.training.global_vars as global_vars
-    import megatron.core.num_microbatches_calculator as nmc
     import torch
     from megatron.core.timers import Timers
-    from megatron.patchset import training as ps_training
 
-    path = tmp_path / "m.jsonl"
-    monkeypatch.setenv("MEGATRON_PATCHSET_METRICS", str(path))
-    args = validated(argsfile.read(TINY))
-    args.padded_vocab_size = 4096
-    monkeypatch.setattr(megatron.training, "get_args", lambda: args)
-    monkeypatch.setattr(nmc, "get_current_global_batch_size", lambda: 16)
-    monkeypatch.setattr(ps_training, "_RECORDER", None)
+    path, args = metrics_setup(tmp_path, monkeypatch)
     timers = Timers(1, "max")
     monkeypatch.setattr(global_vars, "get_timers", lambda: timers)
 
