@@ -16,8 +16,8 @@ transformer_engine``).
 Per variant it prints: median step time after ``--warmup`` iterations, tokens/s, model
 TFLOP/s per GPU and MFU against the GPU's bf16 peak, peak memory (max over ranks), final loss
 and the speed-up over the first variant (of the same sweep value). With ``--set timing-log-level=1``
-two more columns: megatron's ``forward-backward`` timer (all micro-batches, no optimizer) and its
-MFU. It writes ``bench.json`` and ``bench.png`` (step
+three more columns: megatron's ``forward-backward`` timer (all micro-batches, no optimizer), its
+MFU and its speed-up. It writes ``bench.json`` and ``bench.png`` (step
 time, MFU, memory and loss curves) into ``--out``.
 
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
@@ -114,7 +114,10 @@ def summarize(records: list[dict], warmup: int, peak_tflops: Optional[float],
     step = statistics.median(r["time_s"] for r in timed)
     last = iters[-1]
     world = last["world_size"]
-    tflops = last["flops"] / step / world / 1e12
+    def tflops_at(seconds: float) -> float:  # megatron's FLOPs of the iteration, per GPU
+        return last["flops"] / seconds / world / 1e12
+
+    tflops = tflops_at(step)
     losses = [r["losses"].get("lm loss") for r in iters]
     result = {
         "iterations": len(iters),
@@ -136,7 +139,7 @@ def summarize(records: list[dict], warmup: int, peak_tflops: Optional[float],
     if fwd_bwd:  # megatron's forward-backward timer (--timing-log-level 1): no optimizer
         median = statistics.median(fwd_bwd)
         result["fwd_bwd_ms"] = median * 1e3
-        result["fwd_bwd_mfu"] = last["flops"] / median / world / 1e12 / peak_tflops if peak_tflops else None
+        result["fwd_bwd_mfu"] = tflops_at(median) / peak_tflops if peak_tflops else None
     return result
 
 
@@ -285,7 +288,7 @@ def format_table(rows: list[dict], peak: Optional[float]) -> str:
         firsts.setdefault(r.get("sweep_value"), r)
     for r in rows:
         first = firsts[r.get("sweep_value")]
-        base = first.get("step_ms") if not first.get("error") else None
+        base = first.get("step_ms")  # None when the first variant failed
         if r.get("error"):
             table.append([r["variant"], "FAILED", r["error"][:60]] + [""] * (len(head) - 3))
             continue
