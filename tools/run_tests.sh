@@ -27,13 +27,22 @@ find_python() {
 stamp=$(cat requirements/ci.txt | sha256sum | cut -c1-16)
 if [ ! -x .venv/bin/python ] || ! version_ok .venv/bin/python || [ "$(cat .venv/.requirements-stamp 2>/dev/null)" != "$stamp" ]; then
   py=$(find_python) || { echo "run_tests.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
+  # The pinned torch is a CUDA build: about 4.7 GB in the venv. Say so before pip runs out of space.
+  free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+  if [ "${free_kb:-0}" -lt $((6 * 1024 * 1024)) ]; then
+    echo "run_tests.sh: $(( ${free_kb:-0} / 1024 )) MiB free on $(df -P . | awk 'NR==2 {print $6}'); the venv needs about 6 GiB" >&2
+    exit 1
+  fi
   echo "run_tests.sh: creating .venv with $py ($("$py" --version))"
   rm -rf .venv
   "$py" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -r requirements/ci.txt
+  # No pip cache: it would hold a second copy of the torch wheel (2.5 GB) next to the venv.
+  .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
+  .venv/bin/python -m pip install -q --no-cache-dir -r requirements/ci.txt
   echo "$stamp" > .venv/.requirements-stamp
 fi
 
+# Inductor's cache (the compile tests) stays inside the venv instead of growing in /tmp.
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.venv/inductor-cache}"
 if [ $# -eq 0 ]; then set -- tests/unit; fi
 exec .venv/bin/python -m pytest -q "$@"
