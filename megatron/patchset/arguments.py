@@ -199,6 +199,19 @@ def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     # --moe-paged-stash-page-size, --moe-paged-stash-buffer-size-factor-cuda/-cpu and
     # --moe-expert-rank-capacity-factor; the fork's rules and patches follow those.
     # --- end MoE paged stashing ---
+    # --- experts' grouped GEMM (experts.py) ---
+    from megatron.patchset import experts as _experts_flags
+
+    group.add_argument(
+        _experts_flags.FLAG,
+        choices=_experts_flags.IMPLS,
+        default=_experts_flags.DEFAULT_IMPL,
+        help="GEMMs of the grouped MoE experts (--moe-grouped-gemm with the TransformerEngine spec). "
+        "te: TransformerEngine's GroupedLinear (on Hopper one cuBLAS GEMM per expert). torch: "
+        "forward, data and weight gradient as one torch grouped_mm call each (CUTLASS, SM90, bf16), "
+        "with the per-expert offsets on the device; TE's parameters and checkpoint format are kept.",
+    )
+    # --- end experts' grouped GEMM ---
     return parser
 
 
@@ -1299,3 +1312,88 @@ FEATURES.append(
     )
 )
 # --- end MoE paged stashing ---
+
+
+# ---------------------------------------------------------------------------------------
+# Experts' grouped GEMM (experts.py)
+# ---------------------------------------------------------------------------------------
+
+from megatron.patchset import experts as _experts  # noqa: E402  (cheap: no megatron import)
+
+
+@rule(
+    "moe-grouped-gemm-impl-torch-requirements",
+    phase="layout",
+    flags=(_experts.FLAG, "--num-experts", "--moe-grouped-gemm", "--transformer-impl", "--bf16", "--fp8-format",
+           "--fp4-format", "--disable-bias-linear", "--delay-wgrad-compute",
+           "--overlap-dispatch-backward-with-experts-wgrad", "--use-transformer-engine-op-fuser",
+           "--moe-single-grouped-weight", "--use-megatron-fsdp", "--use-torch-fsdp2", "--cuda-graph-impl",
+           "--cuda-graph-modules"),
+)
+def _grouped_gemm_impl_torch(args):
+    """What the torch grouped GEMM replaces (TE's per-linear forward) and what it does not implement."""
+    if not _experts.requested(args):
+        return None
+    problems = []
+    if not args.num_experts:
+        problems.append("an MoE model (--num-experts)")
+    if not args.moe_grouped_gemm:
+        problems.append("--moe-grouped-gemm (without it the experts are a SequentialMLP, not grouped linears)")
+    if args.transformer_impl != "transformer_engine":
+        problems.append(f"--transformer-impl transformer_engine (it replaces TE's grouped linears; got {args.transformer_impl})")
+    if not args.bf16:
+        problems.append("--bf16 (the grouped GEMM kernels take bf16)")
+    if args.fp8 or getattr(args, "fp4", None):
+        problems.append("no --fp8-format/--fp4-format (quantized expert GEMMs stay TE's)")
+    if args.add_bias_linear:
+        problems.append("--disable-bias-linear (expert biases are not implemented)")
+    if args.delay_wgrad_compute or args.overlap_dispatch_backward_with_experts_wgrad:
+        problems.append(
+            "no --delay-wgrad-compute / --overlap-dispatch-backward-with-experts-wgrad (the deferred weight "
+            "gradient is TE's; these GEMMs compute it in backward)"
+        )
+    if args.use_transformer_engine_op_fuser:
+        problems.append("no --use-transformer-engine-op-fuser (its fused grouped MLP bypasses these linears)")
+    if getattr(args, "moe_single_grouped_weight", False):
+        problems.append("no --moe-single-grouped-weight (the GEMMs read the per-expert weight0..weightN)")
+    if args.use_megatron_fsdp or getattr(args, "use_torch_fsdp2", False):
+        problems.append("no --use-megatron-fsdp / --use-torch-fsdp2 (sharded expert weights are not tested with it)")
+    if args.cuda_graph_impl == "full_iteration" or (
+        args.cuda_graph_impl in ("local", "transformer_engine")
+        and (not _cuda_graph_scope_names(args) or "moe" in _cuda_graph_scope_names(args))
+    ):
+        problems.append(
+            "CUDA graphs that leave the experts out (--cuda-graph-modules attn moe_router moe_preprocess): the "
+            "per-expert token counts reach these GEMMs from the host and a graph would replay the captured ones"
+        )
+    if problems:
+        return f"{_experts.FLAG} torch needs: " + "; ".join(problems) + "."
+    return None
+
+
+@rule(
+    "moe-grouped-gemm-impl-torch-alignment",
+    phase="layout",
+    flags=(_experts.FLAG, "--hidden-size", "--moe-latent-size", "--moe-ffn-hidden-size",
+           "--expert-tensor-parallel-size"),
+)
+def _grouped_gemm_impl_torch_alignment(args):
+    """Rows of every GEMM operand must start on 16-byte boundaries: bf16 widths a multiple of 8."""
+    if not _experts.requested(args) or not args.num_experts:
+        return None
+    etp = _etp(args)
+    widths = {
+        "--moe-latent-size" if args.moe_latent_size else "--hidden-size": args.moe_latent_size or args.hidden_size,
+        f"--moe-ffn-hidden-size / expert tensor parallel size {etp}": (args.moe_ffn_hidden_size or args.ffn_hidden_size) // etp,
+    }
+    bad = [f"{name} = {value}" for name, value in widths.items() if value % _experts.ALIGNMENT]
+    if bad:
+        return (
+            f"{_experts.FLAG} torch: the expert GEMM widths must be multiples of {_experts.ALIGNMENT} "
+            f"(16-byte rows in bf16): {', '.join(bad)}. Use {_experts.FLAG} te."
+        )
+    return None
+
+
+FEATURES.append(Feature(name="moe-grouped-gemm-torch", flags=(f"{_experts.FLAG} torch",), enabled=_experts.requested))
+# --- end experts' grouped GEMM ---

@@ -49,6 +49,7 @@ AREA_MODULES = (
     "megatron.patchset.compile",
     "megatron.patchset.token_dispatcher",
     "megatron.patchset.paged_stash",
+    "megatron.patchset.experts",
 )
 
 

@@ -1,0 +1,288 @@
+"""--moe-grouped-gemm-impl torch on the CPU: the grouped GEMMs against per-expert matmuls, the
+main_grad contract with megatron's DDP, the linears' rebinding in TE's spec provider, the rules.
+
+PyTorch's grouped_mm has a CPU fallback for bf16 (the same operator and layouts as on the GPU), so
+the arithmetic, the offsets and the gradient plumbing are checked here; tests/gpu/test_grouped_mm.py
+compares with TransformerEngine's GroupedLinear and trains with it."""
+
+import pytest
+import torch
+
+from megatron.patchset import experts, patches
+from megatron.patchset.patches import PatchsetError
+from tests.unit.test_rules import failures
+from tests.unit.conftest import tiny_argv
+
+IN, OUT = 32, 16
+# Row counts per expert, with empty experts at the start, in the middle and at the end.
+SPLITS = [0, 5, 3, 0, 9, 1, 0]
+
+
+def expert_weights(n=len(SPLITS), requires_grad=True, seed=0, shape=(OUT, IN)):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen).to(torch.bfloat16).requires_grad_(requires_grad) for _ in range(n)]
+
+
+def rows(m, width=IN, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, width, generator=gen).to(torch.bfloat16)
+
+
+def reference(x, splits, weights, dy):
+    """Per-expert fp32 matmuls: output, input gradient, weight gradients."""
+    outs, dxs, dws, start = [], [], [], 0
+    for n, w in zip(splits, weights):
+        xe, dye, we = x[start:start + n].float(), dy[start:start + n].float(), w.detach().float()
+        outs.append(xe @ we.t())
+        dxs.append(dye @ we)
+        dws.append(dye.t() @ xe)
+        start += n
+    return torch.cat(outs), torch.cat(dxs), dws
+
+
+def close(a, b):
+    """Equal within bf16 rounding: 1% of the reference's largest magnitude."""
+    b = b.float()
+    torch.testing.assert_close(a.float(), b, atol=0.01 * b.abs().max().item() + 1e-6, rtol=0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    experts._offsets_cache.clear()
+    yield
+    experts._offsets_cache.clear()
+
+
+def test_offsets_are_cumulative_int32_and_shared_by_equal_splits():
+    offs = experts.group_offsets(SPLITS, torch.device("cpu"))
+    assert offs.dtype == torch.int32 and offs.tolist() == [0, 5, 8, 8, 17, 18, 18]
+    assert experts.group_offsets(list(SPLITS), torch.device("cpu")) is offs  # fc2 reuses fc1's
+    assert experts.group_offsets([1] * 7, torch.device("cpu")) is not offs
+    as_tensor = experts.group_offsets(torch.tensor(SPLITS), torch.device("cpu"))
+    assert as_tensor.dtype == torch.int32 and as_tensor.tolist() == offs.tolist()
+
+
+def test_forward_and_gradients_match_per_expert_matmuls():
+    weights = expert_weights()
+    m = sum(SPLITS)
+    x = rows(m).requires_grad_(True)
+    dy = rows(m, OUT, seed=2)
+    out = experts.grouped_mm(x, SPLITS, weights)
+    out.backward(dy)
+    ref_out, ref_dx, ref_dws = reference(x.detach(), SPLITS, weights, dy)
+    assert out.shape == (m, OUT) and out.dtype == torch.bfloat16
+    close(out, ref_out)
+    close(x.grad, ref_dx)
+    for n, w, ref_dw in zip(SPLITS, weights, ref_dws):
+        assert w.grad.shape == w.shape
+        close(w.grad, ref_dw)
+        if n == 0:
+            assert torch.count_nonzero(w.grad) == 0
+
+
+def test_an_expanded_output_gradient_is_accepted():
+    # out.sum().backward() hands grouped_mm a stride-0 gradient, which its kernels refuse.
+    weights = expert_weights()
+    x = rows(sum(SPLITS)).requires_grad_(True)
+    experts.grouped_mm(x, SPLITS, weights).sum().backward()
+    _, ref_dx, _ = reference(x.detach(), SPLITS, weights, torch.ones(sum(SPLITS), OUT))
+    close(x.grad, ref_dx)
+
+
+def ddp_managed(weights, prior=0.5, **attrs):
+    """What megatron's DDP puts on a parameter: an fp32 main_grad and grad_added_to_main_grad."""
+    for w in weights:
+        w.main_grad = torch.full(w.shape, prior, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+        for key, value in attrs.items():
+            setattr(w, key, value)
+    return weights
+
+
+def test_ddp_managed_weights_accumulate_into_main_grad():
+    weights = ddp_managed(expert_weights())
+    x = rows(sum(SPLITS))
+    dy = rows(sum(SPLITS), OUT, seed=2)
+    experts.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    _, _, ref_dws = reference(x, SPLITS, weights, dy)
+    for w, ref_dw in zip(weights, ref_dws):
+        close(w.main_grad, ref_dw + 0.5)
+        assert w.grad_added_to_main_grad is True
+        # DDP's hook sees a gradient (so it fires) and, with the flag set, does not add it again.
+        assert w.grad is not None and w.grad.shape == w.shape
+
+
+def test_overwrite_main_grad_and_zero_out_wgrad():
+    weights = ddp_managed(expert_weights(), overwrite_main_grad=True, zero_out_wgrad=True)
+    x = rows(sum(SPLITS))
+    dy = rows(sum(SPLITS), OUT, seed=2)
+    experts.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    _, _, ref_dws = reference(x, SPLITS, weights, dy)
+    for w, ref_dw in zip(weights, ref_dws):
+        close(w.main_grad, ref_dw)  # the prior 0.5 is gone
+        # With zero_out_wgrad DDP adds param.grad anyway: it must be zeros.
+        assert torch.count_nonzero(w.grad) == 0
+
+
+def test_no_rows_leaves_main_grad_and_still_hands_ddp_a_gradient():
+    weights = ddp_managed(expert_weights())
+    x = rows(0).requires_grad_(True)
+    out = experts.grouped_mm(x, [0] * len(weights), weights, fuse_accumulation=True)
+    assert out.shape == (0, OUT)
+    out.backward(torch.empty(0, OUT, dtype=torch.bfloat16))
+    assert x.grad.shape == (0, IN)
+    for w in weights:
+        assert torch.equal(w.main_grad, torch.full(w.shape, 0.5))
+        assert w.grad_added_to_main_grad is True and w.grad is not None
+
+
+def test_missing_main_grad_is_a_clear_error():
+    weights = expert_weights()
+    for w in weights:
+        w.grad_added_to_main_grad = False
+    with pytest.raises(RuntimeError, match="no main_grad"):
+        experts.grouped_mm(rows(sum(SPLITS)), SPLITS, weights, fuse_accumulation=True).sum().backward()
+
+
+class FakeTEGroupedLinear(torch.nn.Module):
+    """The attributes of megatron's TE grouped linear that the mixin reads."""
+
+    def __init__(self, num_gemms, input_size, output_size, **_):
+        super().__init__()
+        self.num_gemms = num_gemms
+        self.is_first_microbatch = True
+        for i, w in enumerate(expert_weights(num_gemms, shape=(output_size, input_size))):
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w.detach().clone()))
+
+    def forward(self, x, m_splits):
+        raise AssertionError("the TE forward must not run")
+
+
+def test_linear_subclass_runs_the_grouped_gemm_on_its_own_weights(capsys, monkeypatch):
+    monkeypatch.setattr(experts, "_announced", set())
+    cls = experts.grouped_mm_linear(FakeTEGroupedLinear, "Column")
+    assert issubclass(cls, FakeTEGroupedLinear) and cls.__name__ == "GroupedMMColumnParallelGroupedLinear"
+    linear = cls(len(SPLITS), IN, OUT)
+    cls(len(SPLITS), IN, OUT)
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("megatron-patchset: experts'")]
+    assert lines == [f"megatron-patchset: experts' GroupedMMColumnParallelGroupedLinear runs forward, dgrad and "
+                     f"wgrad as one torch grouped_mm each ({len(SPLITS)} local experts, {IN} -> {OUT} before "
+                     f"tensor parallelism)"]
+    x = rows(sum(SPLITS))
+    out, bias = linear(x, SPLITS)
+    assert bias is None and linear.is_first_microbatch is False
+    weights = [getattr(linear, f"weight{i}") for i in range(len(SPLITS))]
+    close(out, reference(x, SPLITS, weights, torch.zeros(sum(SPLITS), OUT))[0])
+    out.sum().backward()
+    assert all(w.grad is not None for w in weights)  # no DDP attributes: plain gradients
+    with pytest.raises(RuntimeError, match="bf16"):
+        linear(x.float(), SPLITS)
+
+
+def test_megatrons_te_grouped_mlp_runs_on_the_grouped_gemm_linears():
+    """TEGroupedMLP's own forward (token counts to a list, fc1, SwiGLU times the router
+    probabilities, fc2) on the patched linears equals per-expert SwiGLU MLPs."""
+    import torch.nn.functional as F
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    hidden, ffn, splits = IN, OUT, [3, 0, 6, 2]
+    config = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=4, num_moe_experts=len(splits),
+        moe_ffn_hidden_size=ffn, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        bias_activation_fusion=False, moe_grouped_gemm=True, bf16=True, params_dtype=torch.bfloat16,
+    )
+    submodules = GroupedMLPSubmodules(linear_fc1=experts.grouped_mm_linear(FakeTEGroupedLinear, "Column"),
+                                      linear_fc2=experts.grouped_mm_linear(FakeTEGroupedLinear, "Row"))
+    mlp = TEGroupedMLP(len(splits), config, submodules, pg_collection=SimpleNamespace(ep=None, expt_tp=None))
+    x = rows(sum(splits), hidden).requires_grad_(True)
+    probs = torch.rand(sum(splits), generator=torch.Generator().manual_seed(3))
+    out, bias = mlp(x, torch.tensor(splits), probs)
+    assert bias is None and out.shape == (sum(splits), hidden)
+
+    expected, start = [], 0
+    for e, n in enumerate(splits):
+        w1, w2 = getattr(mlp.linear_fc1, f"weight{e}").float(), getattr(mlp.linear_fc2, f"weight{e}").float()
+        gate, up = torch.chunk(x[start:start + n].detach().float() @ w1.t(), 2, dim=-1)
+        expected.append((F.silu(gate) * up * probs[start:start + n, None]) @ w2.t())
+        start += n
+    close(out, torch.cat(expected))
+    out.float().pow(2).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+    assert torch.count_nonzero(mlp.linear_fc1.weight1.grad) == 0  # the expert without tokens
+    assert torch.count_nonzero(mlp.linear_fc2.weight2.grad) > 0
+
+
+def test_without_transformer_engine_the_patch_names_it():
+    with pytest.raises(PatchsetError, match="TransformerEngine is not installed"):
+        experts.grouped_mm_linear(None, "Row")
+
+
+def test_patches_rebind_the_names_te_spec_provider_builds_experts_from(monkeypatch):
+    from megatron.core.extensions import transformer_engine_spec_provider as provider
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    # No TE on the CPU: stand-ins take the place of megatron's TE grouped linears.
+    column = type("TEColumnParallelGroupedLinear", (FakeTEGroupedLinear,), {})
+    row = type("TERowParallelGroupedLinear", (FakeTEGroupedLinear,), {})
+    monkeypatch.setattr(provider, "TEColumnParallelGroupedLinear", column)
+    monkeypatch.setattr(provider, "TERowParallelGroupedLinear", row)
+    names = ["experts.grouped_mm_fc1", "experts.grouped_mm_fc2"]
+    assert all(patches.get(n).wanted(tiny_parsed("--moe-grouped-gemm-impl", "torch")) for n in names)
+    assert not any(patches.get(n).wanted(tiny_parsed()) for n in names)
+    try:
+        assert patches.apply_patches([patches.get(n) for n in names]) == names
+        spec = provider.TESpecProvider().grouped_mlp_modules(True)
+        assert spec.func is TEGroupedMLP
+        fc1, fc2 = spec.keywords["submodules"].linear_fc1, spec.keywords["submodules"].linear_fc2
+        assert issubclass(fc1, column) and issubclass(fc1, experts.GroupedMMForward)
+        assert issubclass(fc2, row) and issubclass(fc2, experts.GroupedMMForward)
+        assert patches.patched_by(fc1) == "experts.grouped_mm_fc1"
+    finally:
+        patches.revert(names)
+    assert provider.TEColumnParallelGroupedLinear is column and provider.TERowParallelGroupedLinear is row
+
+
+def tiny_parsed(*extra):
+    from tests.unit.conftest import parse
+
+    return parse(tiny_argv(*extra))
+
+
+TORCH = ("--moe-grouped-gemm-impl", "torch")
+
+
+def test_rule_accepts_the_tiny_config():
+    assert failures(tiny_argv(*TORCH)) == {}
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (("--transformer-impl", "local"), "--transformer-impl transformer_engine"),
+    (("--delay-wgrad-compute",), "--delay-wgrad-compute"),
+    (("--use-transformer-engine-op-fuser",), "--use-transformer-engine-op-fuser"),
+    (("--cuda-graph-impl", "transformer_engine"), "leave the experts out"),
+    (("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe"), "leave the experts out"),
+])
+def test_rule_refuses_what_the_grouped_gemm_does_not_implement(extra, expected):
+    got = failures(tiny_argv(*TORCH, *extra))
+    assert expected in got["moe-grouped-gemm-impl-torch-requirements"]
+
+
+def test_rule_allows_graphs_around_the_experts():
+    argv = tiny_argv(*TORCH, "--cuda-graph-impl", "transformer_engine",
+                     "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess")
+    assert "moe-grouped-gemm-impl-torch-requirements" not in failures(argv)
+
+
+def test_rule_needs_bf16_grouped_gemm_and_no_bias():
+    argv = [a for a in tiny_argv(*TORCH) if a not in ("--bf16", "--moe-grouped-gemm", "--disable-bias-linear")]
+    message = failures(argv)["moe-grouped-gemm-impl-torch-requirements"]
+    assert "--bf16" in message and "--moe-grouped-gemm" in message and "--disable-bias-linear" in message
+
+
+def test_alignment_rule_names_the_width():
+    got = failures(tiny_argv(*TORCH, "--moe-ffn-hidden-size", "500"))
+    assert "--moe-ffn-hidden-size / expert tensor parallel size 1 = 500" in got["moe-grouped-gemm-impl-torch-alignment"]
+    assert "moe-grouped-gemm-impl-torch-alignment" not in failures(tiny_argv(*TORCH))
