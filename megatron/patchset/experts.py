@@ -113,7 +113,11 @@ _dummy_grads: dict = {}
 
 
 def _dummy_grad(weight, zero: bool):
-    """A gradient that AccumulateGrad can hand to DDP's hook, which then discards it (TE's scheme)."""
+    """A gradient that AccumulateGrad can hand to DDP's hook, which then discards it (TE's scheme).
+
+    One buffer per shape, handed out as a fresh ``detach()`` each time: AccumulateGrad keeps a
+    gradient whose tensor nobody else references, and deep-copies any other one (a copy kernel
+    per expert weight)."""
     import torch
 
     key = (tuple(weight.shape), weight.dtype, weight.device)
@@ -121,7 +125,7 @@ def _dummy_grad(weight, zero: bool):
         _dummy_grads[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     if zero:
         _dummy_grads[key].zero_()
-    return _dummy_grads[key]
+    return _dummy_grads[key].detach()
 
 
 def _main_grad(weight):

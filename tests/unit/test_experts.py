@@ -110,6 +110,8 @@ def test_ddp_managed_weights_accumulate_into_main_grad():
         assert w.grad_added_to_main_grad is True
         # DDP's hook sees a gradient (so it fires) and, with the flag set, does not add it again.
         assert w.grad is not None and w.grad.shape == w.shape
+    # AccumulateGrad kept the dummy instead of copying it: one buffer behind all the gradients.
+    assert len({w.grad.untyped_storage().data_ptr() for w in weights}) == 1
 
 
 def test_overwrite_main_grad_and_zero_out_wgrad():
