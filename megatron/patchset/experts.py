@@ -32,13 +32,11 @@ The GEMMs (per linear, ``W_e`` of shape ``(out, in)``, rows of ``x`` grouped by 
 
 from __future__ import annotations
 
+import functools
 import itertools
-import logging
 from typing import Any, Optional, Sequence
 
 from megatron.patchset.patches import PatchsetError, register
-
-logger = logging.getLogger(__name__)
 
 FLAG = "--moe-grouped-gemm-impl"
 IMPLS = ("te", "torch")
@@ -98,9 +96,9 @@ def _wgrad_out_dtype(main_grad_dtype, device):
         return None
     supported = _fp32_wgrad_supported.get(device.type)
     if supported is None:
-        a = torch.zeros(ALIGNMENT, 2 * ALIGNMENT, dtype=torch.bfloat16, device=device)
-        offs = torch.tensor([ALIGNMENT // 2, 2 * ALIGNMENT], dtype=torch.int32, device=device)
-        try:
+        a = torch.zeros(2 * ALIGNMENT, 2 * ALIGNMENT, dtype=torch.bfloat16, device=device)
+        offs = torch.tensor([ALIGNMENT, 2 * ALIGNMENT], dtype=torch.int32, device=device)
+        try:  # the weight-gradient form: (out, rows) x (rows, in), rows split into two groups
             F.grouped_mm(a.t(), a, offs=offs, out_dtype=torch.float32)
             supported = True
         except RuntimeError:
@@ -272,27 +270,15 @@ def grouped_mm_linear(original: Optional[type], role: str) -> type:
     })
 
 
-@register(
-    "experts.grouped_mm_fc1",
-    f"{_SPEC_PROVIDER}.TEColumnParallelGroupedLinear",
-    reason=_REASON + " (fc1)",
-    upstream_pr=_UPSTREAM_PR,
-    flags=(f"{FLAG} torch",),
-    enabled=requested,
-    wraps=True,
-)
-def _fc1(original):
-    return grouped_mm_linear(original, "Column")
-
-
-@register(
-    "experts.grouped_mm_fc2",
-    f"{_SPEC_PROVIDER}.TERowParallelGroupedLinear",
-    reason=_REASON + " (fc2)",
-    upstream_pr=_UPSTREAM_PR,
-    flags=(f"{FLAG} torch",),
-    enabled=requested,
-    wraps=True,
-)
-def _fc2(original):
-    return grouped_mm_linear(original, "Row")
+# The names TESpecProvider.grouped_mlp_modules looks up when it builds the experts' spec.
+for _linear, _name, _role in (("fc1", "TEColumnParallelGroupedLinear", "Column"),
+                              ("fc2", "TERowParallelGroupedLinear", "Row")):
+    register(
+        f"experts.grouped_mm_{_linear}",
+        f"{_SPEC_PROVIDER}.{_name}",
+        reason=f"{_REASON} ({_linear})",
+        upstream_pr=_UPSTREAM_PR,
+        flags=(f"{FLAG} torch",),
+        enabled=requested,
+        wraps=True,
+    )(functools.partial(grouped_mm_linear, role=_role))

@@ -48,7 +48,8 @@ def close(a, b):
 
 @pytest.fixture(autouse=True)
 def fresh_caches():
-    experts._offsets_cache.clear()
+    for cache in (experts._offsets_cache, experts._fp32_wgrad_supported):
+        cache.clear()
     yield
     experts._offsets_cache.clear()
 
@@ -112,6 +113,13 @@ def test_ddp_managed_weights_accumulate_into_main_grad():
         assert w.grad is not None and w.grad.shape == w.shape
     # AccumulateGrad kept the dummy instead of copying it: one buffer behind all the gradients.
     assert len({w.grad.untyped_storage().data_ptr() for w in weights}) == 1
+
+
+def test_fp32_weight_gradients_only_where_the_device_writes_them():
+    # PyTorch's CPU fallback refuses out_dtype=float32 (CUDA on sm90 accepts it): bf16 then.
+    assert experts._wgrad_out_dtype(torch.float32, torch.device("cpu")) is None
+    assert experts._fp32_wgrad_supported == {"cpu": False}
+    assert experts._wgrad_out_dtype(torch.bfloat16, torch.device("cpu")) is None
 
 
 def test_overwrite_main_grad_and_zero_out_wgrad():
