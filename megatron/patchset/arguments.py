@@ -911,6 +911,23 @@ def _compile_recompute(args, config):
     return None
 
 
+@rule(
+    "compile-transformer-layers-router-force-biased",
+    phase="layout",
+    flags=(_compile.FLAG, "--moe-router-force-biased"),
+)
+def _compile_force_biased(args):
+    """The biased random logits draw inside the RNG tracker's fork, with a per-layer cache."""
+    if not _compile.requested(args) or getattr(args, "moe_router_force_biased", None) is None:
+        return None
+    return (
+        f"{_compile.FLAG} with --moe-router-force-biased {args.moe_router_force_biased}: the router draws its "
+        f"random bias inside the RNG tracker's fork (CUDA RNG state reads that dynamo does not trace) within "
+        f"the MoE layer's try block, so dynamo would run the whole MoE body eagerly. Drop one of the two "
+        f"(--moe-router-force-load-balancing is supported)."
+    )
+
+
 FEATURES.append(Feature(name="compile-transformer-layers", flags=_compile.FLAGS, enabled=_compile.requested))
 # --- end per-layer torch.compile ---
 

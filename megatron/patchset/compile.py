@@ -221,6 +221,70 @@ def _aux_backward_factory(original):
     return backward
 
 
+_RANDOM_LOGITS_OP = None
+
+
+def random_logits_op():
+    """``megatron_patchset::random_logits(logits)``: upstream's ``RandomSTE`` forward (normal
+    logits of the same shape, drawn from the expert-parallel RNG tracker's stream) as a custom op
+    whose gradient passes straight through, as ``RandomSTE.backward`` does.
+
+    Under ``--moe-router-force-load-balancing`` the router draws these inside the RNG tracker's
+    ``fork``, which reads and sets the CUDA RNG state: dynamo does not trace that, and the graph
+    break falls inside the ``try`` block of ``MoELayer.custom_forward``, where dynamo cannot resume.
+    It then gives up on the whole MoE body (router, preprocessing, permutation all eager, found on
+    the CPU with the real fork: 82 of 84 frames compiled, none of them the MoE body). An opaque op
+    keeps the draw, with the same generator and the same numbers, out of the traced code.
+    """
+    global _RANDOM_LOGITS_OP
+    if _RANDOM_LOGITS_OP is None:
+        import torch
+
+        @torch.library.custom_op("megatron_patchset::random_logits", mutates_args=(),
+                                 schema="(Tensor logits) -> Tensor")
+        def random_logits(logits: torch.Tensor) -> torch.Tensor:
+            from megatron.core.tensor_parallel.random import (
+                get_cuda_rng_tracker,
+                get_expert_parallel_rng_tracker_name,
+            )
+
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                return logits.clone().normal_()
+
+        @random_logits.register_fake
+        def _(logits):
+            return torch.empty_like(logits)
+
+        random_logits.register_autograd(lambda ctx, grad: grad)
+        _RANDOM_LOGITS_OP = random_logits
+    return _RANDOM_LOGITS_OP
+
+
+def force_load_balancing(args: Any) -> bool:
+    return requested(args) and bool(getattr(args, "moe_router_force_load_balancing", False))
+
+
+@register(
+    "compile.random_logits_opaque",
+    "megatron.core.transformer.moe.router.apply_random_logits",
+    reason="--moe-router-force-load-balancing draws the router's logits inside the RNG tracker's "
+    "fork (CUDA RNG state reads, not traceable) within MoELayer.custom_forward's try block, so "
+    "dynamo ran the whole MoE body eagerly: draw them in a custom op",
+    upstream_pr="fork-only (per-layer torch.compile)",
+    flags=(FLAG, "--moe-router-force-load-balancing"),
+    enabled=force_load_balancing,
+    wraps=True,
+)
+def _random_logits_factory(original):
+    op = random_logits_op()
+
+    @functools.wraps(original)
+    def apply_random_logits(logits):
+        return op(logits)
+
+    return apply_random_logits
+
+
 @register(
     "compile.tp_group_lookup_quiet",
     "megatron.core.tensor_parallel.layers.get_tensor_model_parallel_group_if_none",
@@ -349,13 +413,15 @@ class CompileMonitor:
         reasons = "; ".join(f"{n}x {' '.join(r.split())[:200]}" for r, n in stats["graph_break_reasons"].items())
         self._say(
             f"compile: {phase}: {stats['graphs']} graphs, {stats['graph_breaks']} graph breaks, "
-            f"{stats['frames']} frames, compile time {stats['compile_s']:.1f} s"
+            f"{stats['frames_ok']} of {stats['frames']} frames compiled (dynamo runs the others eagerly: "
+            f"TORCH_LOGS=graph_breaks says why), compile time {stats['compile_s']:.1f} s"
             + (f" (after {extra['iterations']} iterations, {extra['seconds']:.1f} s; from now on a "
                f"recompile of a compiled layer is an error)" if phase == "warmup" else "")
             + (f"; since warm-up +{stats['graphs_since_warmup']} graphs, "
                f"+{stats['frames_since_warmup']} frames" if "graphs_since_warmup" in stats else "")
             + (f"; breaks: {reasons}" if reasons else "")
         )
+
         self._record(stats)
         return stats
 

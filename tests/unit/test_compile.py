@@ -41,11 +41,20 @@ def worker(rank, world_size, argv, port, out, steps, mode):
     import pytest
     import torch
 
+    from megatron.core.tensor_parallel import random as tp_random
     from tests.unit import cpu_shims
 
+    real_fork = tp_random.CudaRNGStatesTracker.fork
     patcher = pytest.MonkeyPatch()
     cpu_shims.install(patcher)
     _cpu_router_gating(patcher)
+    if mode == "real-fork":
+        # megatron's own RNG-tracker fork instead of cpu_shims' no-op, the CPU generator's state
+        # standing in for the CUDA one (dynamo skips torch.get_rng_state and
+        # torch.cuda.get_rng_state alike), so that compiled code meets the fork as on a GPU.
+        patcher.setattr(tp_random.CudaRNGStatesTracker, "fork", real_fork)
+        patcher.setattr(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+        patcher.setattr(tp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
     # CPU-only: dynamo evaluates torch.cuda.current_device() at trace time (a constant, as on a
     # GPU); cpu_shims' stand-in must be folded the same way or every call is a graph break.
     from torch._dynamo.variables import torch as dynamo_torch
@@ -75,6 +84,12 @@ def worker(rank, world_size, argv, port, out, steps, mode):
     set_args(args)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(expert_model_parallel_size=args.expert_model_parallel_size)
+    if mode == "real-fork":
+        tracker = tp_random.get_cuda_rng_tracker()
+        for offset, name in enumerate((tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                                       tp_random.get_expert_parallel_rng_tracker_name(),
+                                       tp_random.get_data_parallel_rng_tracker_name())):
+            tracker.states_[name] = torch.Generator().manual_seed(4321 + offset).get_state()
     model_config = pretrain_gpt.model_config_from_args(args)
     applied = patches.apply(args)
     model = GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())
@@ -320,6 +335,71 @@ def test_compiled_training_matches_eager_with_breaks_only_at_eager_regions(tmp_p
     print(f"\ncompiled tiny MoE (4 layers, aot_eager): {stats[-1]['graphs']} graphs, "
           f"{stats[-1]['graph_breaks']} graph breaks at {sorted(break_sites(stats[-1]))}, "
           f"{stats[-1]['frames']} frames")
+
+
+@pytest.mark.slow
+def test_force_load_balancing_keeps_the_moe_body_compiled(tmp_path):
+    """--moe-router-force-load-balancing with megatron's real RNG-tracker fork: the random logits
+    are drawn in the fork's custom op, so the MoE body stays compiled (its breaks are the three
+    eager regions it calls; without the op dynamo gave up on MoELayer.custom_forward and those
+    breaks were gone) and every frame compiles; the draws and the losses equal eager's."""
+    flb = ("--moe-router-force-load-balancing", "--attention-dropout", "0", "--hidden-dropout", "0")
+    (eager,) = train(tmp_path / "eager", 1, *flb, mode="real-fork", steps=4)
+    (compiled,) = train(tmp_path / "compiled", 1, *flb, *COMPILED, mode="real-fork", steps=4)
+    assert eager["error"] is None and compiled["error"] is None
+    assert "compile.random_logits_opaque" in compiled["applied"]
+    stats = compiled["stats"][-1]
+    assert set(REGION_FUNCTIONS) <= break_sites(stats), break_sites(stats)
+    assert stats["frames_ok"] == stats["frames"]
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)
+    print(f"\nforce load balancing, real fork: {stats['graphs']} graphs, {stats['graph_breaks']} breaks at "
+          f"{sorted(break_sites(stats))}, {stats['frames_ok']} of {stats['frames']} frames")
+
+
+def test_random_logits_op_draws_what_upstream_draws(monkeypatch):
+    """The op's numbers equal upstream RandomSTE's from the same tracker state; the gradient
+    passes straight through; the tracker's stream advances as upstream's does."""
+    import torch
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe.moe_utils import RandomSTE
+
+    monkeypatch.setattr(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    monkeypatch.setattr(tp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    tracker = tp_random.get_cuda_rng_tracker()
+    name = tp_random.get_expert_parallel_rng_tracker_name()
+    monkeypatch.setattr(tracker, "states_", {name: torch.Generator().manual_seed(7).get_state()})
+    op = ps_compile.random_logits_op()
+    logits = torch.randn(5, 8, requires_grad=True)
+    saved = tracker.states_[name]
+    ours = [op(logits), op(logits)]
+    tracker.states_[name] = saved
+    theirs = [RandomSTE.apply(logits), RandomSTE.apply(logits)]
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert not torch.equal(ours[0], ours[1])  # the stream advanced between the two draws
+    ours[0].sum().backward()
+    assert torch.equal(logits.grad, torch.ones_like(logits))
+
+
+def test_force_biased_is_refused_with_compile():
+    got = ps_args_failures(tiny_argv("--compile-transformer-layers", "--moe-router-force-biased", "0.5"))
+    assert "--moe-router-force-biased 0.5" in got["compile-transformer-layers-router-force-biased"]
+    assert "compile-transformer-layers-router-force-biased" not in ps_args_failures(
+        tiny_argv("--compile-transformer-layers", "--moe-router-force-load-balancing"))
+
+
+def test_random_logits_patch_only_with_force_load_balancing():
+    patch = patches.get("compile.random_logits_opaque")
+    assert patch.wanted(parse(tiny_argv("--compile-transformer-layers", "--moe-router-force-load-balancing")))
+    assert not patch.wanted(parse(tiny_argv("--compile-transformer-layers")))
+    assert not patch.wanted(parse(tiny_argv("--moe-router-force-load-balancing")))
+
+
+def ps_args_failures(argv):
+    try:
+        ps_args.validate(parse(argv), "layout")
+    except ps_args.PatchsetArgumentError as exc:
+        return {rule.name: message for rule, message in exc.failures}
+    return {}
 
 
 @pytest.mark.slow
