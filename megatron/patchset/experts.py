@@ -72,13 +72,14 @@ def group_offsets(m_splits: Any, device: Any):
     """
     import torch
 
+    # non_blocking: a blocking host-to-device copy would also wait for the whole stream.
     if isinstance(m_splits, torch.Tensor):
-        return torch.cumsum(m_splits.to(device=device), 0, dtype=torch.int32)
+        return torch.cumsum(m_splits.to(device=device, non_blocking=True), 0, dtype=torch.int32)
     key = tuple(int(n) for n in m_splits)
     cached = _offsets_cache.get(device)
     if cached is not None and cached[0] == key:
         return cached[1]
-    offs = torch.tensor(list(itertools.accumulate(key)), dtype=torch.int32).to(device)
+    offs = torch.tensor(list(itertools.accumulate(key)), dtype=torch.int32).to(device, non_blocking=True)
     _offsets_cache[device] = (key, offs)
     return offs
 
