@@ -381,9 +381,11 @@ def test_random_logits_op_draws_what_upstream_draws(monkeypatch):
 
 
 def test_force_biased_is_refused_with_compile():
-    got = ps_args_failures(tiny_argv("--compile-transformer-layers", "--moe-router-force-biased", "0.5"))
+    from tests.unit.test_rules import failures
+
+    got = failures(tiny_argv("--compile-transformer-layers", "--moe-router-force-biased", "0.5"))
     assert "--moe-router-force-biased 0.5" in got["compile-transformer-layers-router-force-biased"]
-    assert "compile-transformer-layers-router-force-biased" not in ps_args_failures(
+    assert "compile-transformer-layers-router-force-biased" not in failures(
         tiny_argv("--compile-transformer-layers", "--moe-router-force-load-balancing"))
 
 
@@ -392,14 +394,6 @@ def test_random_logits_patch_only_with_force_load_balancing():
     assert patch.wanted(parse(tiny_argv("--compile-transformer-layers", "--moe-router-force-load-balancing")))
     assert not patch.wanted(parse(tiny_argv("--compile-transformer-layers")))
     assert not patch.wanted(parse(tiny_argv("--moe-router-force-load-balancing")))
-
-
-def ps_args_failures(argv):
-    try:
-        ps_args.validate(parse(argv), "layout")
-    except ps_args.PatchsetArgumentError as exc:
-        return {rule.name: message for rule, message in exc.failures}
-    return {}
 
 
 @pytest.mark.slow
