@@ -335,15 +335,22 @@ def make_grouped_linear(base: type) -> type:
 
             total = rows - extra
             full_dgrad = None
+            previous = getattr(ctx, "dgrad_out", None)
             if getattr(ctx, "input_requires_grad", True):
-                full_dgrad = getattr(ctx, "dgrad_out", None)
+                full_dgrad = previous
                 if full_dgrad is None:
                     full_dgrad = torch.empty((rows, self.in_features), dtype=ctx.dtype, device=grad_output.device)
                 full_dgrad[total:].zero_()
                 ctx.dgrad_out = full_dgrad[:total]
-            grad_input, grad_params, grad_extra = super()._fuser_backward_split_quantize(
-                ctx=ctx, grad_output=grad_output[:total]
-            )
+            try:
+                grad_input, grad_params, grad_extra = super()._fuser_backward_split_quantize(
+                    ctx=ctx, grad_output=grad_output[:total]
+                )
+            finally:
+                # The op context lives as long as the autograd graph: a view left on it would keep
+                # this budget-sized gradient buffer (256 + 96 MiB per layer at the reference
+                # shape) allocated after it has been handed back.
+                ctx.dgrad_out = previous
             if full_dgrad is not None:
                 grad_input = full_dgrad
             grad_extra = [
@@ -715,6 +722,13 @@ class RngStates:
         tracker.set_states(tensors)
 
 
+def _snapshot(value: Any) -> Any:
+    """A tensor's value at this point, without its autograd graph; anything else as it is."""
+    import torch
+
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
 class DeferredResultChecks:
     """The forward-backward function of megatron's ``PagedStashRunner``, with the rerun state
     machine's result checks (NaN loss, NaN gradient norm per DDP bucket, spiky loss) held back
@@ -749,7 +763,12 @@ class DeferredResultChecks:
             return self.forward_backward_func(*args, **kwargs)
         machine = self.state_machine()
         held: list[tuple[tuple, dict]] = []
-        machine.validate_result = lambda *a, **k: held.append((a, k))  # shadows the method
+        # shadows the method; keeps detached copies of tensor arguments: the loss megatron checks
+        # is still attached to its autograd graph (which would stay allocated until the step ends,
+        # where upstream frees each micro-batch's graph after its backward), and the schedule
+        # scales it in place after the check
+        machine.validate_result = lambda *a, **k: held.append(
+            (tuple(_snapshot(v) for v in a), {key: _snapshot(v) for key, v in k.items()}))
         rng = self.rng.save()
         try:
             result = self.forward_backward_func(*args, **kwargs)

@@ -705,6 +705,57 @@ def test_checks_of_an_overflowed_attempt_are_dropped(capsys):
     assert machine.checked == [(3.0, "grad norm", False)]
 
 
+def test_held_checks_neither_keep_the_graph_alive_nor_see_later_in_place_changes():
+    """megatron checks a loss that is still attached to its graph, then scales it in place; the
+    held check keeps a detached copy (holding the loss kept every micro-batch's autograd graph,
+    and the buffers its op contexts reference, allocated until the step ended)."""
+    import weakref
+
+    machine, runner = CheckingMachine(), _runner()
+    seen = {}
+
+    class KeepsBuffer(torch.autograd.Function):
+        """An op whose context keeps a tensor that backward does not free (as the TE ops do)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.buffer = torch.zeros(4)
+            return x * 2.0
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2.0
+
+    def forward_backward(**kwargs):
+        w = torch.ones(3, requires_grad=True)
+        loss = KeepsBuffer.apply(w).sum()
+        machine.validate_result(loss, lambda r: bool(torch.isnan(r)), "loss")
+        graph = weakref.ref(loss.grad_fn.next_functions[0][0].buffer)
+        loss.backward()
+        loss.detach().div_(4.0)  # the schedule's in-place scaling after the check
+        del loss
+        seen["graph_alive"] = graph() is not None
+        return "losses"
+
+    deferred = ps.DeferredResultChecks(runner, forward_backward, lambda: machine, lambda r: (0, 0, 0))
+    deferred(forward_only=False)
+    assert seen["graph_alive"] is False
+    (value, message, rejected), = machine.checked
+    assert value.item() == 6.0 and value.grad_fn is None and message == "loss" and rejected is False
+
+
+def test_slack_path_leaves_no_gradient_buffer_on_the_op_context():
+    weights, x, sizes, grad = make_case()
+    op = PagedGL(weights)
+    x = x.clone().requires_grad_(True)
+    out = _FuserFunction.apply(x, op, torch.tensor(sizes))
+    graph = out.grad_fn
+    out.backward(grad)
+    # The context outlives the backward as long as the graph does: the dgrad view must be gone.
+    assert graph.opctx.dgrad_out is None
+    assert x.grad.shape == x.shape
+
+
 def test_method_is_restored_when_the_attempt_raises():
     machine, runner = CheckingMachine(), _runner()
 
