@@ -548,6 +548,15 @@ def _cuda_graph_scope_names(args: argparse.Namespace) -> set[str]:
     return {getattr(m, "name", str(m)) for m in (getattr(args, "cuda_graph_modules", None) or [])}
 
 
+def _layer_graphs_capture(args: argparse.Namespace, scopes: set[str]) -> bool:
+    """Per-layer CUDA graphs (local or TE) that capture any of ``scopes``: no
+    --cuda-graph-modules means whole layers."""
+    if args.cuda_graph_impl not in ("local", "transformer_engine"):
+        return False
+    names = _cuda_graph_scope_names(args)
+    return not names or bool(names & scopes)
+
+
 @rule(
     "p2p-overlap-fine-grained-schedule-limits",
     phase="layout",
@@ -599,14 +608,12 @@ def _p2p_fine_grained_limits(args):
         problems.append("--moe-shared-expert-overlap (drop it)")
     if (args.mtp_num_layers or 0) > 1:
         problems.append(f"--mtp-num-layers {args.mtp_num_layers} (at most 1)")
-    if args.cuda_graph_impl in ("local", "transformer_engine"):
-        scopes = _cuda_graph_scope_names(args)
-        if not scopes or scopes & {"moe", "mlp"}:
-            problems.append(
-                f"--cuda-graph-impl {args.cuda_graph_impl} capturing the MLP/MoE part "
-                f"(--cuda-graph-modules {' '.join(sorted(scopes)) or 'empty, i.e. whole layers'}; "
-                f"capture attn and/or moe_router only)"
-            )
+    if _layer_graphs_capture(args, {"moe", "mlp"}):
+        problems.append(
+            f"--cuda-graph-impl {args.cuda_graph_impl} capturing the MLP/MoE part "
+            f"(--cuda-graph-modules {' '.join(sorted(_cuda_graph_scope_names(args))) or 'empty, i.e. whole layers'}; "
+            f"capture attn and/or moe_router only)"
+        )
     if args.transformer_impl != "transformer_engine":
         problems.append(
             f"--transformer-impl {args.transformer_impl} (weight-gradient deferral is a "
@@ -1375,10 +1382,7 @@ def _grouped_gemm_impl_torch(args):
         problems.append("no --moe-single-grouped-weight (the GEMMs read the per-expert weight0..weightN)")
     if args.use_megatron_fsdp or getattr(args, "use_torch_fsdp2", False):
         problems.append("no --use-megatron-fsdp / --use-torch-fsdp2 (sharded expert weights are not tested with it)")
-    if args.cuda_graph_impl == "full_iteration" or (
-        args.cuda_graph_impl in ("local", "transformer_engine")
-        and (not _cuda_graph_scope_names(args) or "moe" in _cuda_graph_scope_names(args))
-    ):
+    if args.cuda_graph_impl == "full_iteration" or _layer_graphs_capture(args, {"moe"}):
         problems.append(
             "CUDA graphs that leave the experts out (--cuda-graph-modules attn moe_router moe_preprocess): the "
             "per-expert token counts reach these GEMMs from the host and a graph would replay the captured ones"

@@ -421,7 +421,6 @@ class CompileMonitor:
                f"+{stats['frames_since_warmup']} frames" if "graphs_since_warmup" in stats else "")
             + (f"; breaks: {reasons}" if reasons else "")
         )
-
         self._record(stats)
         return stats
 

@@ -170,6 +170,7 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
     return grads
 
 
+@functools.cache
 def _grouped_mm_function():
     import torch
     import torch.nn.functional as F
@@ -203,16 +204,11 @@ def _grouped_mm_function():
     return GroupedMM
 
 
-_function_cache: list = []
-
-
 def grouped_mm(x, m_splits, weights: Sequence, fuse_accumulation: bool = False):
     """The grouped linear ``x -> [x_e @ W_e.T]_e`` with rows grouped by ``m_splits``."""
-    if not _function_cache:
-        _function_cache.append(_grouped_mm_function())
     if not x.is_contiguous():
         x = x.contiguous()
-    return _function_cache[0].apply(x, group_offsets(m_splits, x.device), fuse_accumulation, *weights)
+    return _grouped_mm_function().apply(x, group_offsets(m_splits, x.device), fuse_accumulation, *weights)
 
 
 # ---------------------------------------------------------------------------------------
