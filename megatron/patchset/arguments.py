@@ -211,6 +211,17 @@ def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "forward, data and weight gradient as one torch grouped_mm call each (CUTLASS, SM90, bf16), "
         "with the per-expert offsets on the device; TE's parameters and checkpoint format are kept.",
     )
+    group.add_argument(
+        _experts_flags.SPLITS_FLAG,
+        action="store_true",
+        default=False,
+        help="Keep the per-expert token counts on the GPU: the all-to-all dispatcher neither copies "
+        "them to the host nor waits for them, and the experts' grouped GEMMs read them there, so a "
+        "dropless MoE layer runs without a host synchronisation and --cuda-graph-impl full_iteration "
+        "can capture the whole forward and backward. Needs --moe-grouped-gemm-impl torch, the alltoall "
+        "dispatcher with --moe-permute-fusion, one expert-parallel and expert-tensor-parallel rank, "
+        "and no token dropping.",
+    )
     # --- end experts' grouped GEMM ---
     return parser
 
@@ -1382,10 +1393,16 @@ def _grouped_gemm_impl_torch(args):
         problems.append("no --moe-single-grouped-weight (the GEMMs read the per-expert weight0..weightN)")
     if args.use_megatron_fsdp or getattr(args, "use_torch_fsdp2", False):
         problems.append("no --use-megatron-fsdp / --use-torch-fsdp2 (sharded expert weights are not tested with it)")
-    if args.cuda_graph_impl == "full_iteration" or _layer_graphs_capture(args, {"moe"}):
+    if args.cuda_graph_impl == "full_iteration" and not _experts.splits_on_device(args):
         problems.append(
-            "CUDA graphs that leave the experts out (--cuda-graph-modules attn moe_router moe_preprocess): the "
-            "per-expert token counts reach these GEMMs from the host and a graph would replay the captured ones"
+            f"{_experts.SPLITS_FLAG} for --cuda-graph-impl full_iteration (without it the per-expert token "
+            "counts reach these GEMMs from the host, which a graph cannot capture)"
+        )
+    if _layer_graphs_capture(args, {"moe"}):
+        problems.append(
+            "per-layer CUDA graphs that leave the experts out (--cuda-graph-modules attn moe_router "
+            "moe_preprocess): megatron captures the MoE layer per layer only with drop-and-pad; to capture "
+            f"the experts too use {_experts.SPLITS_FLAG} with --cuda-graph-impl full_iteration"
         )
     if problems:
         return f"{_experts.FLAG} torch needs: " + "; ".join(problems) + "."
@@ -1416,5 +1433,45 @@ def _grouped_gemm_impl_torch_alignment(args):
     return None
 
 
+@rule(
+    "moe-expert-splits-on-device-requirements",
+    phase="layout",
+    flags=(_experts.SPLITS_FLAG, _experts.FLAG, "--num-experts", "--moe-token-dispatcher-type",
+           "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--tensor-model-parallel-size",
+           "--moe-expert-capacity-factor", "--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8",
+           "--moe-permute-fusion"),
+)
+def _expert_splits_on_device(args):
+    """The token counts can stay on the device only where nothing on the host needs them: no all-to-all
+    or all-gather with host split sizes, a static permuted token count, and the fused chunk sort
+    (the same conditions the dispatcher patch checks when a layer runs)."""
+    if not _experts.splits_on_device(args):
+        return None
+    problems = []
+    if not _experts.requested(args):
+        problems.append(f"{_experts.FLAG} torch (TE's grouped linear splits its input on the host)")
+    if not args.num_experts:
+        problems.append("an MoE model (--num-experts)")
+    if args.moe_token_dispatcher_type != "alltoall":
+        problems.append(f"--moe-token-dispatcher-type alltoall (got {args.moe_token_dispatcher_type})")
+    if args.expert_model_parallel_size != 1:
+        problems.append(
+            f"--expert-model-parallel-size 1 (got {args.expert_model_parallel_size}: the all-to-all takes "
+            "its split sizes from the host)"
+        )
+    if _etp(args) != 1:
+        problems.append(f"expert tensor parallel size 1 (got {_etp(args)}: the all-gather takes host split sizes)")
+    if getattr(args, "moe_expert_capacity_factor", None) is not None:
+        problems.append("no --moe-expert-capacity-factor (dropped tokens make the permuted token count dynamic)")
+    if getattr(args, "moe_router_padding_for_quantization", False) or getattr(args, "moe_router_padding_for_fp8", False):
+        problems.append("no --moe-router-padding-for-quantization (the padded token count is dynamic)")
+    if not getattr(args, "moe_permute_fusion", False):
+        problems.append("--moe-permute-fusion (the unfused chunk sort splits its input on the host)")
+    if problems:
+        return f"{_experts.SPLITS_FLAG} needs: " + "; ".join(problems) + "."
+    return None
+
+
 FEATURES.append(Feature(name="moe-grouped-gemm-torch", flags=(f"{_experts.FLAG} torch",), enabled=_experts.requested))
+FEATURES.append(Feature(name="moe-expert-splits-on-device", flags=(_experts.SPLITS_FLAG,), enabled=_experts.splits_on_device))
 # --- end experts' grouped GEMM ---

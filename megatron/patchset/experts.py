@@ -41,6 +41,7 @@ from megatron.patchset.patches import PatchsetError, register
 FLAG = "--moe-grouped-gemm-impl"
 IMPLS = ("te", "torch")
 DEFAULT_IMPL = "te"
+SPLITS_FLAG = "--moe-expert-splits-on-device"
 # bf16 rows and columns must start on 16-byte boundaries for the grouped GEMM kernels.
 ALIGNMENT = 8
 
@@ -57,6 +58,32 @@ def requested(args: Any) -> bool:
     return args is not None and getattr(args, "moe_grouped_gemm_impl", DEFAULT_IMPL) == "torch"
 
 
+def splits_on_device(args: Any) -> bool:
+    return args is not None and bool(getattr(args, "moe_expert_splits_on_device", False))
+
+
+class DeviceSplits:
+    """Per-expert token counts that stay on the device (``--moe-expert-splits-on-device``).
+
+    ``TEGroupedMLP.forward`` turns its token counts into a host list with ``.tolist()`` before
+    handing them to the linears; for a ``DeviceSplits`` that returns the object itself, and
+    :func:`group_offsets` reads the counts tensor without a device-to-host copy."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def tolist(self) -> "DeviceSplits":
+        return self
+
+    def __len__(self) -> int:
+        return self.counts.numel()
+
+    def __repr__(self) -> str:
+        return f"DeviceSplits({self.counts.numel()} experts on {self.counts.device})"
+
+
 # ---------------------------------------------------------------------------------------
 # Offsets, gradients, the autograd function
 # ---------------------------------------------------------------------------------------
@@ -67,11 +94,13 @@ _offsets_cache: dict = {}  # device -> (split sizes, offsets): fc1 and fc2 of a 
 def group_offsets(m_splits: Any, device: Any):
     """End offsets of each expert's rows as an int32 tensor on ``device``.
 
-    ``m_splits`` is a list of per-expert row counts (what ``TEGroupedMLP`` passes) or a tensor of
-    them; a tensor on the device stays there (no device-to-host copy).
+    ``m_splits`` is a list of per-expert row counts (what ``TEGroupedMLP`` passes), a tensor of
+    them or a :class:`DeviceSplits`; a tensor on the device stays there (no device-to-host copy).
     """
     import torch
 
+    if isinstance(m_splits, DeviceSplits):
+        m_splits = m_splits.counts
     # non_blocking: a blocking host-to-device copy would also wait for the whole stream.
     if isinstance(m_splits, torch.Tensor):
         return torch.cumsum(m_splits.to(device=device, non_blocking=True), 0, dtype=torch.int32)
@@ -279,3 +308,93 @@ for _linear, _name, _role in (("fc1", "TEColumnParallelGroupedLinear", "Column")
         enabled=requested,
         wraps=True,
     )(functools.partial(grouped_mm_linear, role=_role))
+
+
+# ---------------------------------------------------------------------------------------
+# --moe-expert-splits-on-device: no device-to-host copy of the token counts
+# ---------------------------------------------------------------------------------------
+
+_TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+_EXPERTS = "megatron.core.transformer.moe.experts"
+_SPLITS_REASON = (
+    "with one expert-parallel and expert-tensor-parallel rank the all-to-all dispatcher copies the "
+    "per-expert token counts to the host and waits for the copy only so that TE's grouped linear can "
+    "split its input on the host; the torch grouped_mm takes them on the device, so the MoE layer runs "
+    "without a host synchronisation and a full-iteration CUDA graph can capture it"
+)
+
+
+def host_splits_needed(dispatcher) -> list[str]:
+    """What makes this all-to-all dispatcher need the token counts on the host (empty: nothing)."""
+    config = dispatcher.config
+    needs = []
+    if dispatcher.ep_size != 1:
+        needs.append(f"expert parallelism ({dispatcher.ep_size} ranks: the all-to-all takes host split sizes)")
+    if dispatcher.tp_size != 1:
+        needs.append(f"expert tensor parallelism ({dispatcher.tp_size} ranks: the all-gather takes host split sizes)")
+    if config.moe_expert_capacity_factor is not None or config.moe_router_padding_for_quantization:
+        needs.append("token dropping or padding (the permuted token count is dynamic)")
+    if dispatcher.num_local_experts > 1 and not config.moe_permute_fusion:
+        needs.append("--moe-permute-fusion (the unfused chunk sort splits on the host)")
+    return needs
+
+
+def dispatcher_keeps_splits_on_device(original):
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` that returns the token counts as
+    they are, on the device, and neither copies nor synchronises (see :data:`_SPLITS_REASON`)."""
+
+    @functools.wraps(original)
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if self.drop_and_pad:  # upstream copies nothing there either
+            return original(self, point, tokens_per_expert)
+        needs = host_splits_needed(self)
+        if needs:
+            raise RuntimeError(
+                f"{SPLITS_FLAG}: this MoE layer's all-to-all dispatcher needs the per-expert token counts "
+                f"on the host for {'; '.join(needs)}. Drop {SPLITS_FLAG} for this layout."
+            )
+        return tokens_per_expert
+
+    return _maybe_dtoh_and_synchronize
+
+
+def grouped_mlp_takes_device_splits(original):
+    """``TEGroupedMLP.forward`` that hands a token-count tensor to its linears as
+    :class:`DeviceSplits` (upstream calls ``.tolist()`` on it, a device-to-host copy and sync)."""
+
+    @functools.wraps(original)
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
+        import torch
+
+        if isinstance(tokens_per_expert, torch.Tensor):
+            if not isinstance(self.linear_fc1, GroupedMMForward) or getattr(self, "_with_fused_impl", False):
+                raise RuntimeError(
+                    f"{SPLITS_FLAG} needs the experts' linears of {FLAG} torch; this TEGroupedMLP runs "
+                    f"{type(self.linear_fc1).__name__}{' through the TE op fuser' if getattr(self, '_with_fused_impl', False) else ''}"
+                )
+            tokens_per_expert = DeviceSplits(tokens_per_expert)
+        return original(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
+
+    return forward
+
+
+register(
+    "experts.splits_on_device_dispatcher",
+    f"{_TOKEN_DISPATCHER}.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+    reason=_SPLITS_REASON,
+    upstream_pr=_UPSTREAM_PR,
+    flags=(SPLITS_FLAG,),
+    enabled=splits_on_device,
+    wraps=True,
+)(dispatcher_keeps_splits_on_device)
+
+register(
+    "experts.splits_on_device_grouped_mlp",
+    f"{_EXPERTS}.TEGroupedMLP.forward",
+    reason="TEGroupedMLP.forward turns the token counts into a host list (.tolist(): a device-to-host "
+    "copy and sync); hand them to the torch grouped_mm linears on the device instead",
+    upstream_pr=_UPSTREAM_PR,
+    flags=(SPLITS_FLAG,),
+    enabled=splits_on_device,
+    wraps=True,
+)(grouped_mlp_takes_device_splits)

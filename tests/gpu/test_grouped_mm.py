@@ -8,13 +8,17 @@
   norms within bf16 tolerance over 20 iterations -- one GPU, one GPU with TE partial CUDA graphs
   around the experts, and two GPUs with EP=2, the distributed optimizer and overlapped gradient
   reduction (which relies on the per-parameter DDP hooks the weight-gradient path must keep firing).
+* ``--moe-expert-splits-on-device``: the same against TE with the token counts left on the GPU, and
+  with the whole forward and backward captured as one CUDA graph (``--cuda-graph-impl
+  full_iteration``); under ``--deterministic-mode`` the replayed graph equals the eager run bit for
+  bit. Negative control: unpatched megatron-core cannot capture the same step.
 """
 
 import math
 
 import pytest
 
-from tests.gpu.conftest import gpu_count, launch_many, tiny_argv
+from tests.gpu.conftest import first_difference, gpu_count, launch_many, tiny_argv
 
 pytestmark = pytest.mark.gpu
 
@@ -119,23 +123,39 @@ def test_one_launch_per_gemm_instead_of_one_per_expert():
     assert our_kernels <= 40
 
 
+PERMUTE_FUSION = ("--moe-permute-fusion",)
+NO_NAN_CHECK = ("--no-check-for-nan-in-loss-and-grad",)  # megatron requires it for full-iteration graphs
+SPLITS = ("--moe-expert-splits-on-device",)
+FULL_GRAPH = ("--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2", "--logging-level", "20")
+CAPTURED = "CUDA graph capture done for training"
+EP2 = ("--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce")
+
+# name: (GPUs, flags of both runs, flags of ours only); the other run is TE's GroupedLinear.
 LAYOUTS = {
-    "gmm_1gpu": (1, ()),
-    "gmm_1gpu_graphs": (1, GRAPHS),
-    "gmm_2gpu_ep2": (2, ("--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce")),
+    "gmm_1gpu": (1, (), TORCH_IMPL),
+    "gmm_1gpu_graphs": (1, GRAPHS, TORCH_IMPL),
+    "gmm_2gpu_ep2": (2, EP2, TORCH_IMPL),
+    # The token counts stay on the GPU; then the whole forward and backward as one CUDA graph.
+    "splits_1gpu": (1, PERMUTE_FUSION + NO_NAN_CHECK, TORCH_IMPL + SPLITS),
+    "full_graph_1gpu": (1, PERMUTE_FUSION + NO_NAN_CHECK, TORCH_IMPL + SPLITS + FULL_GRAPH),
 }
+DETERMINISTIC = ("--deterministic-mode", "--te-rng-tracker") + PERMUTE_FUSION + NO_NAN_CHECK + TORCH_IMPL + SPLITS
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grouped_mm")
     jobs = []
-    for name, (nproc, extra) in LAYOUTS.items():
+    for name, (nproc, common, ours) in LAYOUTS.items():
         if gpu_count() < nproc:
             continue
-        argv = tiny_argv("--train-iters", str(ITERS), *NO_DROPOUT, *extra)
+        argv = tiny_argv("--train-iters", str(ITERS), *NO_DROPOUT, *common)
         jobs.append(dict(tmp_path=tmp, name=f"{name}_te", nproc=nproc, argv=argv))
-        jobs.append(dict(tmp_path=tmp, name=f"{name}_torch", nproc=nproc, argv=argv + list(TORCH_IMPL)))
+        jobs.append(dict(tmp_path=tmp, name=f"{name}_torch", nproc=nproc, argv=argv + list(ours)))
+    if gpu_count() >= 1:
+        det = tiny_argv("--train-iters", str(ITERS), *NO_DROPOUT, *DETERMINISTIC)
+        jobs.append(dict(tmp_path=tmp, name="det_eager", nproc=1, argv=det))
+        jobs.append(dict(tmp_path=tmp, name="det_full_graph", nproc=1, argv=det + list(FULL_GRAPH)))
     return launch_many(jobs)
 
 
@@ -148,6 +168,8 @@ def test_training_matches_te(runs, layout):
     assert all(math.isfinite(x) for x in ours.losses)
     assert "megatron-patchset: experts' GroupedMMColumnParallelGroupedLinear runs" in ours.log_text()
     assert "GroupedMM" not in te_run.log_text()
+    if "--cuda-graph-impl" in LAYOUTS[layout][2]:
+        assert CAPTURED in ours.log_text()
     loss_diff = [abs(a - b) for a, b in zip(ours.losses, te_run.losses)]
     norm_diff = [abs(a - b) / b for a, b in zip(ours.grad_norms, te_run.grad_norms)]
     print(f"\n{layout}: max |loss diff| {max(loss_diff):.5f} (first {loss_diff[0]:.5f}), max grad-norm rel "
@@ -157,3 +179,29 @@ def test_training_matches_te(runs, layout):
     assert max(loss_diff) < LOSS_ATOL
     assert max(norm_diff) < GRAD_NORM_RTOL
     assert ours.losses[-1] < ours.losses[0] - 2.0
+
+
+@pytest.mark.gpus(1)
+def test_full_iteration_graph_replays_the_eager_step_bitwise(runs):
+    """--deterministic-mode: the captured forward and backward (iterations 3-20 replay it) gives the
+    eager run's losses and gradient norms bit for bit."""
+    eager, graphed = runs["det_eager"], runs["det_full_graph"]
+    assert CAPTURED in graphed.log_text() and CAPTURED not in eager.log_text()
+    assert len(eager.losses) == len(graphed.losses) == ITERS
+    print(f"\nfull-iteration graph vs eager, {ITERS} iterations: losses {eager.losses[0]:.6f} -> "
+          f"{eager.losses[-1]:.6f}; first difference {first_difference(graphed.losses, eager.losses)}")
+    assert first_difference(graphed.losses, eager.losses) is None
+    assert first_difference(graphed.grad_norms, eager.grad_norms) is None
+
+
+@pytest.mark.gpus(1)
+def test_upstream_cannot_capture_a_dropless_moe_step(tmp_path):
+    """Unpatched megatron-core with the same full-iteration graph flags: the dispatcher's
+    device-to-host copy of the token counts (and TE's host split) fails the capture."""
+    argv = tiny_argv("--train-iters", "6", *NO_DROPOUT, *PERMUTE_FUSION, *NO_NAN_CHECK, *FULL_GRAPH)
+    run = launch_many([dict(tmp_path=tmp_path, name="upstream_full_graph", nproc=1, argv=argv,
+                            env={"MEGATRON_PATCHSET": "off"}, check=False)], timeout=300)["upstream_full_graph"]
+    tail = "\n".join(run.log_text().splitlines()[-15:])
+    print(f"\nupstream full-iteration graph: exit {run.returncode}, {len(run.losses)} iterations; log tail:\n{tail}")
+    assert run.returncode != 0
+    assert len(run.losses) <= 2  # the two warm-up iterations at most; the capture is the third
