@@ -17,7 +17,9 @@ Per variant it prints: median step time after ``--warmup`` iterations, tokens/s,
 TFLOP/s per GPU and MFU against the GPU's bf16 peak, peak memory (max over ranks), final loss
 and the speed-up over the first variant (of the same sweep value). With ``--set timing-log-level=1``
 three more columns: megatron's ``forward-backward`` timer (all micro-batches, no optimizer), its
-MFU and its speed-up. It writes ``bench.json`` and ``bench.png`` (step
+MFU and its speed-up; ``--time-fwd-bwd`` gives the same columns from the fork's timer around the
+forward-backward call (between two device synchronisations, as megatron's timer), which also
+times a full-iteration CUDA graph (``--cuda-graph-impl full_iteration``). It writes ``bench.json`` and ``bench.png`` (step
 time, MFU, memory and loss curves) into ``--out``.
 
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
@@ -42,7 +44,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.patchset import argsfile, profiling  # noqa: E402
+from megatron.patchset import argsfile, profiling, training  # noqa: E402
 
 # Dense bf16 matrix-multiply rate used as the MFU denominator, TFLOP/s. For Hopper it is the
 # rate measured on this workplace's H100/H200 (788-798 TFLOP/s for 8192^3 bf16 GEMMs); the
@@ -372,6 +374,11 @@ def main(argv=None) -> int:
                    help="run this iteration (1-based, after the warm-up) of every variant under "
                         "torch.profiler (megatron/patchset/profiling.py, every rank) and add a table "
                         "of exposed pipeline P2P time; the iteration is left out of the step time.")
+    p.add_argument("--time-fwd-bwd", action="store_true",
+                   help="time megatron's forward-backward call from outside, between two device "
+                        "synchronisations, in every variant (MEGATRON_PATCHSET_TIME_FWD_BWD=1): the fwd+bwd "
+                        "columns without --timing-log-level 1, whose timer cannot run inside a "
+                        "full-iteration CUDA graph.")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild the table, bench.json and chart from the metrics files "
                         "an earlier run with the same --out and variants left (for a run cut off after "
@@ -411,6 +418,8 @@ def main(argv=None) -> int:
                     env["MEGATRON_PATCHSET"] = "off"
             else:
                 entry = [os.path.join(ROOT, "pretrain_gpt.py")]
+            if opts.time_fwd_bwd:
+                env[training.FWD_BWD_ENV] = "1"
             safe = label.replace(" ", "_").replace("=", "-").replace("/", "-")
             profile_dir = None
             if opts.profile_iteration is not None:

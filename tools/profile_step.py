@@ -6,7 +6,7 @@
 
 Trains the config through ``pretrain_gpt.py`` under ``torchrun`` (as ``tools/bench.py`` does,
 with its helpers) for ``--warmup`` + 1 iterations, with ``MEGATRON_PATCHSET_PROFILE`` set so
-that the observe patch ``training.profile_step`` (``megatron/patchset/profiling.py``) runs the
+that the observe patch ``training.observe_train_step`` (``megatron/patchset/profiling.py``) runs the
 last iteration under ``torch.profiler`` with labels on megatron's attention, router, dispatch,
 permutation, expert, combine and optimizer code. Rank 0 writes ``<out>/trace.json`` (open it in
 Perfetto or chrome://tracing) and ``<out>/summary.json``; this tool prints the summary as

@@ -84,13 +84,31 @@ def rule(name: str, *, phase: str, flags: tuple[str, ...]) -> Callable:
     return decorate
 
 
+# Negative controls (a GPU test showing what megatron itself does with a refused combination)
+# name the rules to skip here; pretrain_gpt.py says so in its log.
+SKIP_RULES_ENV = "MEGATRON_PATCHSET_SKIP_RULES"
+
+
+def skipped_rules() -> set[str]:
+    names = {n.strip() for n in os.environ.get(SKIP_RULES_ENV, "").split(",") if n.strip()}
+    unknown = names - {r.name for r in RULES}
+    if unknown:
+        raise ValueError(f"{SKIP_RULES_ENV} names unknown rules: {', '.join(sorted(unknown))}")
+    return names
+
+
 def validate(args: argparse.Namespace, phase: str, config: Any = None) -> None:
-    """Run every rule of ``phase``; raise :class:`PatchsetArgumentError` listing all failures."""
+    """Run every rule of ``phase`` (but those named in ``MEGATRON_PATCHSET_SKIP_RULES``); raise
+    :class:`PatchsetArgumentError` listing all failures."""
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}")
     failures = []
+    skip = skipped_rules()
     for r in RULES:
         if r.phase != phase:
+            continue
+        if r.name in skip:
+            print(f"megatron-patchset: rule {r.name} skipped ({SKIP_RULES_ENV})", flush=True)
             continue
         message = r.check(args) if phase == "layout" else r.check(args, config)
         if message:
@@ -1470,6 +1488,50 @@ def _expert_splits_on_device(args):
     if problems:
         return f"{_experts.SPLITS_FLAG} needs: " + "; ".join(problems) + "."
     return None
+
+
+@rule(
+    "full-iteration-graphs-timers",
+    phase="layout",
+    flags=("--cuda-graph-impl", "--timing-log-level"),
+)
+def _full_iteration_graphs_timers(args):
+    """Megatron's level-1 and level-2 timers run inside forward_backward_func and synchronise the
+    device at start and stop (and barrier with --barrier-with-L1-time): inside the capture of a
+    full-iteration graph that fails."""
+    if args.cuda_graph_impl != "full_iteration" or (args.timing_log_level or 0) < 1:
+        return None
+    return (
+        f"--cuda-graph-impl full_iteration with --timing-log-level {args.timing_log_level}: megatron's "
+        "forward-backward timer (and the level-2 timers) synchronise the device inside the captured step, and "
+        "the capture fails (\"operation not permitted when stream is capturing\"). Use --timing-log-level 0; "
+        "tools/bench.py --time-fwd-bwd times forward-backward around the graph."
+    )
+
+
+@rule(
+    "full-iteration-graphs-dropless-moe",
+    phase="layout",
+    flags=("--cuda-graph-impl", "--num-experts", "--moe-expert-capacity-factor",
+           "--moe-pad-expert-input-to-capacity", _experts.SPLITS_FLAG),
+)
+def _full_iteration_graphs_dropless_moe(args):
+    """Dropless MoE reads the per-expert token counts on the host inside the step (the all-to-all
+    dispatcher's device-to-host copy and wait, TEGroupedMLP's .tolist()), which a capture refuses;
+    the fork's device-side counts remove both. Paged stashing has its own rule."""
+    if args.cuda_graph_impl != "full_iteration" or not args.num_experts or _stash_or_budget(args):
+        return None
+    if _experts.splits_on_device(args):
+        return None
+    if args.moe_expert_capacity_factor is not None and args.moe_pad_expert_input_to_capacity:
+        return None
+    return (
+        "--cuda-graph-impl full_iteration with a dropless MoE: the dispatcher copies the per-expert token "
+        "counts to the host and waits for them inside the step (the experts split their input on the host), "
+        "which the capture refuses. With one expert-parallel rank use --moe-grouped-gemm-impl torch "
+        f"{_experts.SPLITS_FLAG} (the counts stay on the GPU); else use per-layer graphs "
+        "(--cuda-graph-impl transformer_engine --cuda-graph-modules attn moe_router moe_preprocess)."
+    )
 
 
 FEATURES.append(Feature(name="moe-grouped-gemm-torch", flags=(f"{_experts.FLAG} torch",), enabled=_experts.requested))

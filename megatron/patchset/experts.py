@@ -23,7 +23,8 @@ The GEMMs (per linear, ``W_e`` of shape ``(out, in)``, rows of ``x`` grouped by 
 * data gradient ``dx = grouped_mm(dy, stack(W), offs)``;
 * weight gradient ``dW = grouped_mm(dy.T, x, offs)``, shape ``(experts, out, in)``. For weights
   that megatron's DDP manages (they carry ``main_grad`` and ``grad_added_to_main_grad``) it goes
-  straight into each ``main_grad`` (one ``_foreach_add_``; fp32 from the GEMM where the device
+  straight into each ``main_grad`` (one add over the layer's experts where DDP's buffer holds their main
+  grads back to back, else one ``_foreach_add_``; fp32 from the GEMM where the device
   supports it) under the contract TE uses for its fused accumulation: ``overwrite_main_grad``
   copies instead of adding, ``grad_added_to_main_grad`` is set and a dummy gradient is returned so
   that DDP's per-parameter hook still fires (and skips its own add). This needs no apex kernel, so
@@ -167,6 +168,27 @@ def _main_grad(weight):
     return main_grad
 
 
+def stacked_view(tensors: Sequence):
+    """``(view, descending)``: the equally shaped, contiguous ``tensors`` as one ``(n, *shape)`` view
+    when they lie back to back in one storage -- megatron's DDP places a layer's expert weights and
+    their main grads so, in reverse order -- with whether they lie in descending order (then
+    ``view[i]`` is ``tensors[n - 1 - i]``); None when they do not."""
+    first, n = tensors[0], len(tensors)
+    storage = first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage):
+            return None
+    step = first.numel()
+    offsets = [t.storage_offset() for t in tensors]
+    descending = n > 1 and offsets[0] - offsets[1] == step
+    sign = -1 if descending else 1
+    if any(offset - offsets[0] != sign * i * step for i, offset in enumerate(offsets)):
+        return None
+    base = tensors[-1] if descending else first
+    return base.as_strided((n, *first.shape), (step, *first.stride())), descending
+
+
 def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) -> list:
     """Per-expert weight gradients, or -- with accumulation fusion -- their sum into ``main_grad``
     and what autograd then hands to each weight (a dummy for megatron's DDP, else None)."""
@@ -185,10 +207,16 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
             torch._foreach_zero_(main_grads)
     else:
         dw = F.grouped_mm(dy.t(), x, offs=offs, out_dtype=_wgrad_out_dtype(main_grads[0].dtype, dy.device))
-        if overwrite:
-            torch._foreach_copy_(main_grads, list(dw.unbind(0)))
+        stacked = stacked_view(main_grads)
+        if stacked is not None:  # one kernel; the add promotes bf16 to the buffer's fp32 on the fly
+            view, descending = stacked
+            source = dw.flip(0) if descending else dw
+            view.copy_(source) if overwrite else view.add_(source)
         else:
-            torch._foreach_add_(main_grads, list(dw.unbind(0)))
+            # The foreach kernels take one dtype: with a bf16 dw and fp32 main grads they fall back to a
+            # launch per expert. One cast keeps them on the multi-tensor path.
+            parts = list(dw.to(main_grads[0].dtype).unbind(0))
+            torch._foreach_copy_(main_grads, parts) if overwrite else torch._foreach_add_(main_grads, parts)
     grads = []
     for weight in weights:
         if hasattr(weight, "grad_added_to_main_grad"):

@@ -1,6 +1,6 @@
 """One profiled training iteration: where the host time of a step goes (``tools/profile_step.py``).
 
-``training.profile_step`` (observe only): with ``MEGATRON_PATCHSET_PROFILE=<dir>:<N>`` set,
+``training.observe_train_step`` (observe only): with ``MEGATRON_PATCHSET_PROFILE=<dir>:<N>`` set,
 megatron's ``train_step`` runs iteration ``N`` (1-based, as in megatron's log lines) under
 ``torch.profiler`` (CPU activity, plus CUDA when a GPU is visible; no shapes, no stacks). For
 that one call only, megatron's MoE and attention methods and the pipeline's P2P calls run inside
@@ -44,6 +44,7 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
 from megatron.patchset.patches import register
+from megatron.patchset import training as _training
 
 PROFILE_ENV = "MEGATRON_PATCHSET_PROFILE"
 LABEL_PREFIX = "ps:"
@@ -616,13 +617,13 @@ def rank_folder(folder: str, rank: int) -> str:
 
 
 @register(
-    "training.profile_step",
+    "training.observe_train_step",
     "megatron.training.training.train_step",
     reason="profile one training iteration (host time by MoE stage, launches, syncs, GPU idle) "
-           "for tools/profile_step.py",
+           "for tools/profile_step.py; time forward-backward from outside for tools/bench.py",
     upstream_pr="fork-only (instrumentation)",
-    flags=(f"env {PROFILE_ENV}",),
-    enabled=lambda args: profile_request() is not None,
+    flags=(f"env {PROFILE_ENV}", f"env {_training.FWD_BWD_ENV}"),
+    enabled=lambda args: profile_request() is not None or _training.fwd_bwd_timer_requested(),
     wraps=True,
     kind="observe",
 )
@@ -633,6 +634,8 @@ def _wrap_train_step(original):
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                    forward_backward_func, *args, **kwargs):
         calls[0] += 1
+        if _training.fwd_bwd_timer_requested():
+            forward_backward_func = _training.timed_forward_backward(forward_backward_func)
         request = profile_request()
         iteration = kwargs.get("iteration", args[0] if args else None)
         number = calls[0] if iteration is None else int(iteration) + 1

@@ -7,6 +7,11 @@ not the rounded text), the wall-clock time since the previous iteration, megatro
 for the iteration and the GPU memory high-water mark. At the end of training a ``summary``
 line records the peak memory over all ranks. Tests compare runs bit for bit from these files and
 ``tools/bench.py`` computes its table from them. The patch computes nothing that training uses.
+
+With ``MEGATRON_PATCHSET_TIME_FWD_BWD=1`` the record also carries the forward-backward time measured
+around megatron's forward-backward call (:func:`timed_forward_backward`, installed by the
+``training.observe_train_step`` patch in ``profiling.py``), which also times a full-iteration CUDA
+graph's replay.
 """
 
 from __future__ import annotations
@@ -127,13 +132,47 @@ def recorder() -> Optional[MetricsRecorder]:
     return _RECORDER
 
 
+FWD_BWD_ENV = "MEGATRON_PATCHSET_TIME_FWD_BWD"
+_fwd_bwd = {"seconds": None}
+
+
+def fwd_bwd_timer_requested() -> bool:
+    return os.environ.get(FWD_BWD_ENV, "") not in ("", "0")
+
+
+def timed_forward_backward(forward_backward_func):
+    """``forward_backward_func`` timed from outside, between two device synchronisations (what
+    megatron's ``forward-backward`` timer measures, but around the call: a full-iteration CUDA
+    graph's replay included, where megatron's own timer cannot run: it synchronises inside the
+    captured step). Calls of one iteration add up; :func:`forward_backward_seconds` takes the sum."""
+
+    @functools.wraps(forward_backward_func)
+    def timed(*args, **kwargs):
+        import torch
+
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            return forward_backward_func(*args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            _fwd_bwd["seconds"] = (_fwd_bwd["seconds"] or 0.0) + time.perf_counter() - start
+
+    return timed
+
+
 def forward_backward_seconds() -> Optional[float]:
-    """This iteration's time in megatron's ``forward-backward`` timer (all micro-batches, no
-    optimizer), read before ``training_log`` resets it. Needs ``--timing-log-level 1`` (below
-    that the timer does not exist) and ``--log-interval 1`` (else the timer sums iterations)."""
+    """This iteration's forward-backward time (all micro-batches, no optimizer), read before
+    ``training_log`` resets megatron's timers. With ``MEGATRON_PATCHSET_TIME_FWD_BWD=1``, the
+    fork's outside timer (:func:`timed_forward_backward`); else megatron's ``forward-backward``
+    timer, which needs ``--timing-log-level 1`` (below that the timer does not exist) and
+    ``--log-interval 1`` (else the timer sums iterations)."""
     from megatron.training import get_args
     from megatron.training.global_vars import get_timers
 
+    if fwd_bwd_timer_requested():
+        seconds, _fwd_bwd["seconds"] = _fwd_bwd["seconds"], None
+        return seconds
     args = get_args()
     if getattr(args, "timing_log_level", 0) < 1 or getattr(args, "log_interval", 1) != 1:
         return None

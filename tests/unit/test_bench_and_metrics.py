@@ -260,3 +260,62 @@ def test_metrics_patch_records_megatrons_forward_backward_timer(tmp_path, monkey
     lines = [json.loads(l) for l in path.read_text().splitlines()]
     assert ["fwd_bwd_s" in l for l in lines] == [False, True, False]
     assert lines[1]["fwd_bwd_s"] == 0.25
+
+
+def test_forward_backward_timed_around_the_call(monkeypatch):
+    """MEGATRON_PATCHSET_TIME_FWD_BWD=1: the train_step patch wraps the forward-backward function it
+    is handed (a full-iteration graph wrapper included) in a timer between two synchronisations;
+    the calls of one iteration add up and the metrics take the sum once."""
+    import time as time_module
+
+    import torch
+
+    from megatron.patchset import patches, training
+
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1))
+    monkeypatch.setenv(training.FWD_BWD_ENV, "1")
+    monkeypatch.delenv("MEGATRON_PATCHSET_PROFILE", raising=False)
+    patch = patches.get("training.observe_train_step")
+    assert patch.wanted(None) and patch.kind == "observe"
+
+    def forward_backward(**kwargs):
+        time_module.sleep(0.02)
+        return ["losses"]
+
+    def fake_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config,
+                        forward_backward_func, iteration=None):
+        assert forward_backward_func is not forward_backward  # wrapped
+        return [forward_backward_func(forward_only=False) for _ in range(2)]  # e.g. a re-run
+
+    training._fwd_bwd["seconds"] = None
+    step = patch.factory(fake_train_step)
+    assert step(None, None, None, None, None, None, forward_backward, iteration=0) == [["losses"], ["losses"]]
+    assert len(syncs) == 4
+    seconds = training.forward_backward_seconds()
+    assert 0.04 <= seconds < 1.0
+    assert training.forward_backward_seconds() is None  # taken once per iteration
+    monkeypatch.setenv(training.FWD_BWD_ENV, "0")
+    assert not patch.wanted(None)
+
+
+def test_bench_time_fwd_bwd_sets_the_timer_for_every_variant(tmp_path, monkeypatch):
+    envs = {}
+
+    def fake_run(name, entry_argv, env_extra, nproc, out_dir, timeout):
+        envs[name] = dict(env_extra)
+        log = tmp_path / f"{name}.log"
+        log.write_text("not run\n")
+        return 1, str(tmp_path / f"{name}.jsonl"), str(log)
+
+    monkeypatch.setattr(bench, "run_variant", fake_run)
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
+    args = ["--config", TINY, "--out", str(tmp_path), "--iters", "3", "--warmup", "1", "--peak-tflops", "790",
+            "--variant", "upstream=", "--variant", "fork=--moe-grouped-gemm-impl torch"]
+    bench.main(args + ["--time-fwd-bwd"])
+    assert set(envs) == {"upstream", "fork"}
+    assert all(env.get("MEGATRON_PATCHSET_TIME_FWD_BWD") == "1" for env in envs.values())
+    assert envs["upstream"]["MEGATRON_PATCHSET"] == "off"
+    envs.clear()
+    bench.main(args)
+    assert not any("MEGATRON_PATCHSET_TIME_FWD_BWD" in env for env in envs.values())

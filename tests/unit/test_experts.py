@@ -500,3 +500,80 @@ def test_full_iteration_graphs_need_the_counts_on_the_device():
                      "--no-check-for-nan-in-loss-and-grad")
     assert "--moe-expert-splits-on-device for --cuda-graph-impl full_iteration" in \
         failures(argv)["moe-grouped-gemm-impl-torch-requirements"]
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_main_grads_back_to_back_take_one_add(descending, monkeypatch):
+    """DDP's buffer holds a layer's expert main grads back to back (in reverse order): the weight
+    gradient goes in with one add over a view of them, not a foreach over the experts."""
+    weights = expert_weights()
+    buffer = torch.full((len(weights), OUT, IN), 0.5)
+    for i, w in enumerate(weights):
+        w.main_grad = buffer[len(weights) - 1 - i] if descending else buffer[i]
+        w.grad_added_to_main_grad = False
+    view, flipped = experts.stacked_view([w.main_grad for w in weights])
+    assert flipped is descending and view.data_ptr() == buffer.data_ptr()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("foreach path taken")
+
+    monkeypatch.setattr(torch, "_foreach_add_", refuse)
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    experts.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    for w, ref_dw in zip(weights, reference(x, SPLITS, weights, dy)[2]):
+        close(w.main_grad, ref_dw + 0.5)
+
+
+def test_scattered_main_grads_take_the_foreach_path_in_one_dtype(monkeypatch):
+    weights = ddp_managed(expert_weights())  # separate fp32 tensors
+    assert experts.stacked_view([w.main_grad for w in weights]) is None
+    seen = []
+    add = torch._foreach_add_
+
+    def record(selves, others):
+        seen.append({t.dtype for t in others})
+        return add(selves, others)
+
+    monkeypatch.setattr(torch, "_foreach_add_", record)
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    experts.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    assert seen == [{torch.float32}]  # bf16 gradients cast once, so the multi-tensor kernel applies
+    for w, ref_dw in zip(weights, reference(x, SPLITS, weights, dy)[2]):
+        close(w.main_grad, ref_dw + 0.5)
+
+
+def test_stacked_view_refuses_gaps_and_mixed_shapes():
+    buffer = torch.zeros(5, 2, 3)
+    assert experts.stacked_view([buffer[0], buffer[1], buffer[3]]) is None
+    assert experts.stacked_view([buffer[0], buffer[1, :1]]) is None
+    assert experts.stacked_view([buffer[0], torch.zeros(2, 3)]) is None
+    view, descending = experts.stacked_view([buffer[2]])
+    assert view.shape == (1, 2, 3) and not descending
+
+
+FULL = ("--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad")
+
+
+def test_full_iteration_graphs_refuse_host_read_token_counts():
+    got = failures(tiny_argv(*FULL))
+    assert "--moe-expert-splits-on-device" in got["full-iteration-graphs-dropless-moe"]
+    assert "full-iteration-graphs-dropless-moe" not in failures(tiny_argv(*TORCH, *SPLITS_ON_DEVICE, *FULL))
+    padded = ("--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
+    assert "full-iteration-graphs-dropless-moe" not in failures(tiny_argv(*FULL, *padded))
+
+
+def test_full_iteration_graphs_refuse_megatrons_timers():
+    argv = tiny_argv(*TORCH, *SPLITS_ON_DEVICE, *FULL, "--timing-log-level", "1")
+    assert "--timing-log-level 0" in failures(argv)["full-iteration-graphs-timers"]
+    assert "full-iteration-graphs-timers" not in failures(tiny_argv("--timing-log-level", "2"))
+
+
+def test_named_rules_can_be_skipped_for_negative_controls(monkeypatch, capsys):
+    from megatron.patchset import arguments
+
+    monkeypatch.setenv(arguments.SKIP_RULES_ENV, "full-iteration-graphs-dropless-moe")
+    assert failures(tiny_argv(*FULL)) == {}
+    assert "rule full-iteration-graphs-dropless-moe skipped" in capsys.readouterr().out
+    monkeypatch.setenv(arguments.SKIP_RULES_ENV, "no-such-rule")
+    with pytest.raises(ValueError, match="no-such-rule"):
+        failures(tiny_argv())

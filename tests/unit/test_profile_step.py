@@ -1,4 +1,4 @@
-"""tools/profile_step.py and the ``training.profile_step`` observe patch: the reduction of a
+"""tools/profile_step.py and the ``training.observe_train_step`` observe patch: the reduction of a
 profiler trace to host time per MoE stage, the GPU busy/idle arithmetic, the one-iteration
 wrapper, and one profiled step of the tiny local-spec MoE GPT on the CPU."""
 
@@ -263,7 +263,7 @@ def test_profile_request_and_tool_argv(monkeypatch):
 
 
 def test_patch_is_registered_as_observe_on_train_step(monkeypatch):
-    patch = patches.get("training.profile_step")
+    patch = patches.get("training.observe_train_step")
     assert patch.kind == "observe" and patch.target == "megatron.training.training.train_step"
     monkeypatch.delenv(profiling.PROFILE_ENV, raising=False)
     assert not patch.wanted(None)
@@ -296,7 +296,7 @@ def test_wrapper_profiles_exactly_the_requested_iteration_and_removes_its_labels
         return f"result {iteration}"
 
     opt, config = Opt(), types.SimpleNamespace(finalize_model_grads_func=finalize)
-    wrapped = patches.get("training.profile_step").factory(fake_train_step)
+    wrapped = patches.get("training.observe_train_step").factory(fake_train_step)
     results = [wrapped(None, None, None, opt, None, config, None, iteration=i) for i in range(3)]
     assert results == ["result 0", "result 1", "result 2"]
     its = [s for s in seen if s[0] != "step"]
@@ -362,7 +362,7 @@ def profiled_worker(rank, argv, port, folder, steps):
         optimizer.zero_grad()
         return float(loss / num_tokens)
 
-    step = patches.get("training.profile_step").factory(train_step)
+    step = patches.get("training.observe_train_step").factory(train_step)
     for i in range(steps):
         step(pretrain_gpt.forward_step, iter([batch]), model, optimizer, None, model.config, None, iteration=i)
     with open(os.path.join(folder, "after.json"), "w") as handle:
