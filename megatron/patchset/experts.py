@@ -168,6 +168,13 @@ def _main_grad(weight):
     return main_grad
 
 
+def capturing(tensor) -> bool:
+    """Whether ``tensor``'s work is being captured into a CUDA graph now."""
+    import torch
+
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def stacked_view(tensors: Sequence):
     """``(view, descending)``: the equally shaped, contiguous ``tensors`` as one ``(n, *shape)`` view
     when they lie back to back in one storage -- megatron's DDP places a layer's expert weights and
@@ -208,7 +215,12 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
     else:
         dw = F.grouped_mm(dy.t(), x, offs=offs, out_dtype=_wgrad_out_dtype(main_grads[0].dtype, dy.device))
         stacked = stacked_view(main_grads)
-        if stacked is not None:  # one kernel; the add promotes bf16 to the buffer's fp32 on the fly
+        if stacked is not None and stacked[1] and capturing(dw):
+            # Inside a CUDA graph a launch costs nothing at replay: an add per expert (bf16 promoted to
+            # fp32 on the fly) saves the reversed copy of dw that the one-add path below needs.
+            for main_grad, part in zip(main_grads, dw.unbind(0)):
+                main_grad.copy_(part) if overwrite else main_grad.add_(part)
+        elif stacked is not None:  # one kernel; the add promotes bf16 to the buffer's fp32 on the fly
             view, descending = stacked
             source = dw.flip(0) if descending else dw
             view.copy_(source) if overwrite else view.add_(source)

@@ -122,8 +122,13 @@ def test_one_launch_per_gemm_instead_of_one_per_expert():
         w.main_grad = buffer[EXPERTS - 1 - i]
         w.grad_added_to_main_grad = False
     te_kernels = kernels_launched(torch, lambda: te_linear(x, splits).backward(dy))
-    our_kernels = kernels_launched(
-        torch, lambda: experts.grouped_mm(x, splits, weights, fuse_accumulation=True).backward(dy))
+
+    def ours():
+        for w in weights:  # what DDP's hook does after each backward
+            w.grad = None
+        experts.grouped_mm(x, splits, weights, fuse_accumulation=True).backward(dy)
+
+    our_kernels = kernels_launched(torch, ours)
     print(f"\nGPU kernels for one forward + backward of {EXPERTS} experts: TE {te_kernels}, torch grouped_mm "
           f"{our_kernels} (weight gradients into DDP-style main grads)")
     assert te_kernels >= 3 * (EXPERTS - 8)  # TE on Hopper: a GEMM per non-empty expert, three times

@@ -577,3 +577,23 @@ def test_named_rules_can_be_skipped_for_negative_controls(monkeypatch, capsys):
     monkeypatch.setenv(arguments.SKIP_RULES_ENV, "no-such-rule")
     with pytest.raises(ValueError, match="no-such-rule"):
         failures(tiny_argv())
+
+
+def test_inside_a_graph_capture_the_reversed_copy_is_skipped(monkeypatch):
+    """While a CUDA graph is captured, launches are free at replay: the main grads lying in reverse
+    order take one add per expert instead of a reversed copy of the weight gradients plus one add."""
+    weights = expert_weights()
+    buffer = torch.full((len(weights), OUT, IN), 0.5)
+    for i, w in enumerate(weights):
+        w.main_grad = buffer[len(weights) - 1 - i]
+        w.grad_added_to_main_grad = False
+    monkeypatch.setattr(experts, "capturing", lambda tensor: True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("reversed copy made")
+
+    monkeypatch.setattr(torch.Tensor, "flip", refuse)
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    experts.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    for w, ref_dw in zip(weights, reference(x, SPLITS, weights, dy)[2]):
+        close(w.main_grad, ref_dw + 0.5)
