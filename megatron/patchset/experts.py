@@ -356,6 +356,9 @@ for _linear, _name, _role in (("fc1", "TEColumnParallelGroupedLinear", "Column")
 
 _TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 _EXPERTS = "megatron.core.transformer.moe.experts"
+_SPLITS_UPSTREAM_PR = (
+    "fork-only (megatron-core 0.19.2 always copies the token counts to the host for TE's grouped linear)"
+)
 _SPLITS_REASON = (
     "with one expert-parallel and expert-tensor-parallel rank the all-to-all dispatcher copies the "
     "per-expert token counts to the host and waits for the copy only so that TE's grouped linear can "
@@ -422,7 +425,7 @@ register(
     "experts.splits_on_device_dispatcher",
     f"{_TOKEN_DISPATCHER}.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
     reason=_SPLITS_REASON,
-    upstream_pr=_UPSTREAM_PR,
+    upstream_pr=_SPLITS_UPSTREAM_PR,
     flags=(SPLITS_FLAG,),
     enabled=splits_on_device,
     wraps=True,
@@ -433,7 +436,7 @@ register(
     f"{_EXPERTS}.TEGroupedMLP.forward",
     reason="TEGroupedMLP.forward turns the token counts into a host list (.tolist(): a device-to-host "
     "copy and sync); hand them to the torch grouped_mm linears on the device instead",
-    upstream_pr=_UPSTREAM_PR,
+    upstream_pr=_SPLITS_UPSTREAM_PR,
     flags=(SPLITS_FLAG,),
     enabled=splits_on_device,
     wraps=True,
