@@ -189,24 +189,30 @@ def test_linear_subclass_runs_the_grouped_gemm_on_its_own_weights(capsys, monkey
         linear(x.float(), SPLITS)
 
 
-def test_megatrons_te_grouped_mlp_runs_on_the_grouped_gemm_linears():
-    """TEGroupedMLP's own forward (token counts to a list, fc1, SwiGLU times the router
-    probabilities, fc2) on the patched linears equals per-expert SwiGLU MLPs."""
+def grouped_mlp(splits):
     import torch.nn.functional as F
     from types import SimpleNamespace
 
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    hidden, ffn, splits = IN, OUT, [3, 0, 6, 2]
     config = TransformerConfig(
-        num_layers=1, hidden_size=hidden, num_attention_heads=4, num_moe_experts=len(splits),
-        moe_ffn_hidden_size=ffn, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        num_layers=1, hidden_size=IN, num_attention_heads=4, num_moe_experts=len(splits),
+        moe_ffn_hidden_size=OUT, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         bias_activation_fusion=False, moe_grouped_gemm=True, bf16=True, params_dtype=torch.bfloat16,
     )
     submodules = GroupedMLPSubmodules(linear_fc1=experts.grouped_mm_linear(FakeTEGroupedLinear, "Column"),
                                       linear_fc2=experts.grouped_mm_linear(FakeTEGroupedLinear, "Row"))
-    mlp = TEGroupedMLP(len(splits), config, submodules, pg_collection=SimpleNamespace(ep=None, expt_tp=None))
+    return TEGroupedMLP(len(splits), config, submodules, pg_collection=SimpleNamespace(ep=None, expt_tp=None))
+
+
+def test_megatrons_te_grouped_mlp_runs_on_the_grouped_gemm_linears():
+    """TEGroupedMLP's own forward (token counts to a list, fc1, SwiGLU times the router
+    probabilities, fc2) on the patched linears equals per-expert SwiGLU MLPs."""
+    import torch.nn.functional as F
+
+    hidden, splits = IN, [3, 0, 6, 2]
+    mlp = grouped_mlp(splits)
     x = rows(sum(splits), hidden).requires_grad_(True)
     probs = torch.rand(sum(splits), generator=torch.Generator().manual_seed(3))
     out, bias = mlp(x, torch.tensor(splits), probs)
@@ -321,23 +327,6 @@ def test_device_splits_give_the_offsets_of_the_counts_without_a_host_list():
     offs = experts.group_offsets(splits, torch.device("cpu"))
     assert offs.dtype == torch.int32 and offs.tolist() == [0, 5, 8, 8, 17, 18, 18]
     assert experts._offsets_cache == {}  # the host-list cache is not involved
-
-
-def grouped_mlp(splits):
-    import torch.nn.functional as F
-    from types import SimpleNamespace
-
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=1, hidden_size=IN, num_attention_heads=4, num_moe_experts=len(splits),
-        moe_ffn_hidden_size=OUT, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        bias_activation_fusion=False, moe_grouped_gemm=True, bf16=True, params_dtype=torch.bfloat16,
-    )
-    submodules = GroupedMLPSubmodules(linear_fc1=experts.grouped_mm_linear(FakeTEGroupedLinear, "Column"),
-                                      linear_fc2=experts.grouped_mm_linear(FakeTEGroupedLinear, "Row"))
-    return TEGroupedMLP(len(splits), config, submodules, pg_collection=SimpleNamespace(ep=None, expt_tp=None))
 
 
 def test_grouped_mlp_reads_the_token_counts_without_tolist(monkeypatch):
