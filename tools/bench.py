@@ -18,8 +18,9 @@ TFLOP/s per GPU and MFU against the GPU's bf16 peak, peak memory (max over ranks
 and the speed-up over the first variant (of the same sweep value). With ``--set timing-log-level=1``
 three more columns: megatron's ``forward-backward`` timer (all micro-batches, no optimizer), its
 MFU and its speed-up; ``--time-fwd-bwd`` gives the same columns from the fork's timer around the
-forward-backward call (between two device synchronisations, as megatron's timer), which also
-times a full-iteration CUDA graph (``--cuda-graph-impl full_iteration``). It writes ``bench.json`` and ``bench.png`` (step
+forward-backward call (between two device synchronisations, as megatron's timer, but without its
+barrier across ranks: the last rank's time), which also times a full-iteration CUDA graph
+(``--cuda-graph-impl full_iteration``). It writes ``bench.json`` and ``bench.png`` (step
 time, MFU, memory and loss curves) into ``--out``.
 
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep

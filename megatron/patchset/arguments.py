@@ -1381,7 +1381,7 @@ from megatron.patchset import experts as _experts  # noqa: E402  (cheap: no mega
            "--fp4-format", "--disable-bias-linear", "--delay-wgrad-compute",
            "--overlap-dispatch-backward-with-experts-wgrad", "--use-transformer-engine-op-fuser",
            "--moe-single-grouped-weight", "--use-megatron-fsdp", "--use-torch-fsdp2", "--cuda-graph-impl",
-           "--cuda-graph-modules"),
+           "--cuda-graph-modules", "--cuda-graph-warmup-steps", _experts.SPLITS_FLAG),
 )
 def _grouped_gemm_impl_torch(args):
     """What the torch grouped GEMM replaces (TE's per-linear forward) and what it does not implement."""
@@ -1415,6 +1415,11 @@ def _grouped_gemm_impl_torch(args):
         problems.append(
             f"{_experts.SPLITS_FLAG} for --cuda-graph-impl full_iteration (without it the per-expert token "
             "counts reach these GEMMs from the host, which a graph cannot capture)"
+        )
+    if args.cuda_graph_impl == "full_iteration" and (args.cuda_graph_warmup_steps or 0) < 1:
+        problems.append(
+            f"--cuda-graph-warmup-steps 1 or more with --cuda-graph-impl full_iteration (got "
+            f"{args.cuda_graph_warmup_steps}: the first backward probes the grouped GEMM, which a capture cannot run)"
         )
     if _layer_graphs_capture(args, {"moe"}):
         problems.append(
@@ -1451,13 +1456,19 @@ def _grouped_gemm_impl_torch_alignment(args):
     return None
 
 
+def _capacity_limited(args: argparse.Namespace) -> bool:
+    """An expert capacity is set (megatron treats a negative --moe-expert-capacity-factor as none)."""
+    factor = getattr(args, "moe_expert_capacity_factor", None)
+    return factor is not None and factor >= 0
+
+
 @rule(
     "moe-expert-splits-on-device-requirements",
     phase="layout",
     flags=(_experts.SPLITS_FLAG, _experts.FLAG, "--num-experts", "--moe-token-dispatcher-type",
            "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--tensor-model-parallel-size",
            "--moe-expert-capacity-factor", "--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8",
-           "--moe-permute-fusion"),
+           "--moe-permute-fusion", "--cuda-graph-impl", "--cuda-graph-modules"),
 )
 def _expert_splits_on_device(args):
     """The token counts can stay on the device only where nothing on the host needs them: no all-to-all
@@ -1479,12 +1490,17 @@ def _expert_splits_on_device(args):
         )
     if _etp(args) != 1:
         problems.append(f"expert tensor parallel size 1 (got {_etp(args)}: the all-gather takes host split sizes)")
-    if getattr(args, "moe_expert_capacity_factor", None) is not None:
+    if _capacity_limited(args):
         problems.append("no --moe-expert-capacity-factor (dropped tokens make the permuted token count dynamic)")
     if getattr(args, "moe_router_padding_for_quantization", False) or getattr(args, "moe_router_padding_for_fp8", False):
         problems.append("no --moe-router-padding-for-quantization (the padded token count is dynamic)")
     if not getattr(args, "moe_permute_fusion", False):
         problems.append("--moe-permute-fusion (the unfused chunk sort splits its input on the host)")
+    if _layer_graphs_capture(args, {"moe_router", "moe_preprocess", "moe", "mlp"}):
+        problems.append(
+            "no per-layer CUDA graphs over the MoE router or preprocessing (megatron copies the graph's token "
+            "counts to the host after each replay anyway); use --cuda-graph-impl full_iteration or no graphs"
+        )
     if problems:
         return f"{_experts.SPLITS_FLAG} needs: " + "; ".join(problems) + "."
     return None
@@ -1513,18 +1529,26 @@ def _full_iteration_graphs_timers(args):
     "full-iteration-graphs-dropless-moe",
     phase="layout",
     flags=("--cuda-graph-impl", "--num-experts", "--moe-expert-capacity-factor",
-           "--moe-pad-expert-input-to-capacity", _experts.SPLITS_FLAG),
+           "--moe-pad-expert-input-to-capacity", "--moe-token-dispatcher-type", _experts.SPLITS_FLAG),
 )
 def _full_iteration_graphs_dropless_moe(args):
     """Dropless MoE reads the per-expert token counts on the host inside the step (the all-to-all
     dispatcher's device-to-host copy and wait, TEGroupedMLP's .tolist()), which a capture refuses;
-    the fork's device-side counts remove both. Paged stashing has its own rule."""
+    the fork's device-side counts remove both. Drop-and-pad is static only in the all-to-all
+    dispatcher. Paged stashing has its own rule."""
     if args.cuda_graph_impl != "full_iteration" or not args.num_experts or _stash_or_budget(args):
         return None
     if _experts.splits_on_device(args):
         return None
-    if args.moe_expert_capacity_factor is not None and args.moe_pad_expert_input_to_capacity:
+    padded = _capacity_limited(args) and args.moe_pad_expert_input_to_capacity
+    if padded and args.moe_token_dispatcher_type == "alltoall":  # static counts, built on the host
         return None
+    if padded:
+        return (
+            f"--cuda-graph-impl full_iteration with the {args.moe_token_dispatcher_type} dispatcher: it reads "
+            "the token counts on the host inside the step even with drop-and-pad (the allgather dispatcher's "
+            ".cpu()/.item()), which the capture refuses. Use --moe-token-dispatcher-type alltoall."
+        )
     return (
         "--cuda-graph-impl full_iteration with a dropless MoE: the dispatcher copies the per-expert token "
         "counts to the host and waits for them inside the step (the experts split their input on the host), "

@@ -24,7 +24,8 @@ The GEMMs (per linear, ``W_e`` of shape ``(out, in)``, rows of ``x`` grouped by 
 * weight gradient ``dW = grouped_mm(dy.T, x, offs)``, shape ``(experts, out, in)``. For weights
   that megatron's DDP manages (they carry ``main_grad`` and ``grad_added_to_main_grad``) it goes
   straight into each ``main_grad`` (one add over the layer's experts where DDP's buffer holds their main
-  grads back to back, else one ``_foreach_add_``; fp32 from the GEMM where the device
+  grads back to back -- one add per expert while a CUDA graph is captured, which saves a reversed copy
+  of the gradient -- else one ``_foreach_add_``; fp32 from the GEMM where the device
   supports it) under the contract TE uses for its fused accumulation: ``overwrite_main_grad``
   copies instead of adding, ``grad_added_to_main_grad`` is set and a dummy gradient is returned so
   that DDP's per-parameter hook still fires (and skips its own add). This needs no apex kernel, so
@@ -81,6 +82,11 @@ class DeviceSplits:
     def __len__(self) -> int:
         return self.counts.numel()
 
+    def __iter__(self):
+        # Only megatron's --save-tokens-per-expert-interval hook iterates them (list(...)): that
+        # logging step reads the counts on the host, the training step does not.
+        return iter(self.counts.tolist())
+
     def __repr__(self) -> str:
         return f"DeviceSplits({self.counts.numel()} experts on {self.counts.device})"
 
@@ -127,6 +133,11 @@ def _wgrad_out_dtype(main_grad_dtype, device):
         return None
     supported = _fp32_wgrad_supported.get(device.type)
     if supported is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{FLAG} torch: the first backward runs inside a CUDA graph capture, where the grouped GEMM's "
+                "fp32-output probe cannot run; capture after at least one eager step (--cuda-graph-warmup-steps 1 or more)"
+            )
         a = torch.zeros(2 * ALIGNMENT, 2 * ALIGNMENT, dtype=torch.bfloat16, device=device)
         offs = torch.tensor([ALIGNMENT, 2 * ALIGNMENT], dtype=torch.int32, device=device)
         try:  # the weight-gradient form: (out, rows) x (rows, in), rows split into two groups
@@ -216,8 +227,9 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
         dw = F.grouped_mm(dy.t(), x, offs=offs, out_dtype=_wgrad_out_dtype(main_grads[0].dtype, dy.device))
         stacked = stacked_view(main_grads)
         if stacked is not None and stacked[1] and capturing(dw):
-            # Inside a CUDA graph a launch costs nothing at replay: an add per expert (bf16 promoted to
-            # fp32 on the fly) saves the reversed copy of dw that the one-add path below needs.
+            # Inside a CUDA graph the host cost of a launch is gone at replay (a kernel node costs about a
+            # microsecond): an add per expert (bf16 promoted to fp32 on the fly) saves the reversed copy of
+            # dw that the one-add path below needs.
             for main_grad, part in zip(main_grads, dw.unbind(0)):
                 main_grad.copy_(part) if overwrite else main_grad.add_(part)
         elif stacked is not None:  # one kernel; the add promotes bf16 to the buffer's fp32 on the fly

@@ -144,7 +144,8 @@ def timed_forward_backward(forward_backward_func):
     """``forward_backward_func`` timed from outside, between two device synchronisations (what
     megatron's ``forward-backward`` timer measures, but around the call: a full-iteration CUDA
     graph's replay included, where megatron's own timer cannot run: it synchronises inside the
-    captured step). Calls of one iteration add up; :func:`forward_backward_seconds` takes the sum."""
+    captured step). Unlike megatron's timer there is no barrier across ranks; the metrics keep the
+    last rank's time. Calls of one iteration add up; :func:`forward_backward_seconds` takes the sum."""
 
     @functools.wraps(forward_backward_func)
     def timed(*args, **kwargs):

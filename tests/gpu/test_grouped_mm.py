@@ -223,3 +223,5 @@ def test_upstream_cannot_capture_a_dropless_moe_step(tmp_path):
     assert run.returncode != 0
     assert len(run.losses) <= 2  # the two warm-up iterations at most; the capture is the third
     assert "Capture CUDA graph for training" in log and CAPTURED not in log
+    # The dispatcher waits on its device-to-host event inside the capture.
+    assert "cudaErrorCapturedEvent" in log or "operation not permitted when stream is capturing" in log

@@ -586,3 +586,41 @@ def test_inside_a_graph_capture_the_reversed_copy_is_skipped(monkeypatch):
     experts.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
     for w, ref_dw in zip(weights, reference(x, SPLITS, weights, dy)[2]):
         close(w.main_grad, ref_dw + 0.5)
+
+
+def test_device_splits_feed_megatrons_tokens_per_expert_log(tmp_path):
+    """megatron's --save-tokens-per-expert-interval hook records list(m_splits) of every experts'
+    fc1 input; device splits give it the counts (a host read only in that logging step)."""
+    from megatron.training.activation_logging import ActivationLogger
+
+    logger = ActivationLogger(str(tmp_path))
+    hook = logger._make_tpe_hook("model", "decoder.layers.3.mlp.experts.linear_fc1")
+    hook(None, (rows(5), experts.DeviceSplits(torch.tensor([3, 0, 2]))), {}, None)
+    assert [list(r) for r in logger._decoder_tpe_records.values()] == [[[3, 0, 2]]]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (("--expert-tensor-parallel-size", "2"), "expert tensor parallel size 1"),
+    (("--moe-router-padding-for-quantization",), "no --moe-router-padding-for-quantization"),
+    (("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"),
+     "no per-layer CUDA graphs over the MoE router"),
+])
+def test_splits_rule_refuses_host_counts_and_per_layer_graphs(extra, expected):
+    got = failures(tiny_argv(*TORCH, *SPLITS_ON_DEVICE, *extra), world_size=2)
+    assert expected in got["moe-expert-splits-on-device-requirements"]
+
+
+def test_splits_rule_takes_a_negative_capacity_factor_as_dropless():
+    assert "moe-expert-splits-on-device-requirements" not in failures(
+        tiny_argv(*TORCH, *SPLITS_ON_DEVICE, "--moe-expert-capacity-factor", "-1"))
+
+
+def test_full_iteration_graphs_need_an_eager_step_before_the_capture():
+    argv = tiny_argv(*TORCH, *SPLITS_ON_DEVICE, *FULL, "--cuda-graph-warmup-steps", "0")
+    assert "--cuda-graph-warmup-steps 1 or more" in failures(argv)["moe-grouped-gemm-impl-torch-requirements"]
+
+
+def test_drop_and_pad_is_static_only_in_the_alltoall_dispatcher():
+    padded = ("--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
+    got = failures(tiny_argv(*FULL, *padded, "--moe-token-dispatcher-type", "allgather"))
+    assert "--moe-token-dispatcher-type alltoall" in got["full-iteration-graphs-dropless-moe"]
