@@ -120,6 +120,13 @@ def group_offsets(m_splits: Any, device: Any):
     return offs
 
 
+def capturing(device) -> bool:
+    """Whether work on ``device`` is being captured into a CUDA graph now."""
+    import torch
+
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 _fp32_wgrad_supported: dict = {}  # device type -> whether grouped_mm writes fp32 from bf16
 
 
@@ -133,7 +140,7 @@ def _wgrad_out_dtype(main_grad_dtype, device):
         return None
     supported = _fp32_wgrad_supported.get(device.type)
     if supported is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             raise RuntimeError(
                 f"{FLAG} torch: the first backward runs inside a CUDA graph capture, where the grouped GEMM's "
                 "fp32-output probe cannot run; capture after at least one eager step (--cuda-graph-warmup-steps 1 or more)"
@@ -179,11 +186,6 @@ def _main_grad(weight):
     return main_grad
 
 
-def capturing(tensor) -> bool:
-    """Whether ``tensor``'s work is being captured into a CUDA graph now."""
-    import torch
-
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def stacked_view(tensors: Sequence):
@@ -226,16 +228,17 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
     else:
         dw = F.grouped_mm(dy.t(), x, offs=offs, out_dtype=_wgrad_out_dtype(main_grads[0].dtype, dy.device))
         stacked = stacked_view(main_grads)
-        if stacked is not None and stacked[1] and capturing(dw):
-            # Inside a CUDA graph the host cost of a launch is gone at replay (a kernel node costs about a
-            # microsecond): an add per expert (bf16 promoted to fp32 on the fly) saves the reversed copy of
-            # dw that the one-add path below needs.
-            for main_grad, part in zip(main_grads, dw.unbind(0)):
-                main_grad.copy_(part) if overwrite else main_grad.add_(part)
-        elif stacked is not None:  # one kernel; the add promotes bf16 to the buffer's fp32 on the fly
+        if stacked is not None:
             view, descending = stacked
-            source = dw.flip(0) if descending else dw
-            view.copy_(source) if overwrite else view.add_(source)
+            if descending and capturing(dw.device):
+                # Inside a CUDA graph the host cost of a launch is gone at replay (a kernel node costs
+                # about a microsecond): an add per expert (bf16 promoted to fp32 on the fly) saves the
+                # reversed copy of dw that the one add needs.
+                for main_grad, part in zip(main_grads, dw.unbind(0)):
+                    main_grad.copy_(part) if overwrite else main_grad.add_(part)
+            else:  # one kernel; the add promotes bf16 to the buffer's fp32 on the fly
+                source = dw.flip(0) if descending else dw
+                view.copy_(source) if overwrite else view.add_(source)
         else:
             # The foreach kernels take one dtype: with a bf16 dw and fp32 main grads they fall back to a
             # launch per expert. One cast keeps them on the multi-tensor path.

@@ -576,7 +576,8 @@ def test_inside_a_graph_capture_the_reversed_copy_is_skipped(monkeypatch):
     for i, w in enumerate(weights):
         w.main_grad = buffer[len(weights) - 1 - i]
         w.grad_added_to_main_grad = False
-    monkeypatch.setattr(experts, "capturing", lambda tensor: True)
+    experts._wgrad_out_dtype(torch.float32, torch.device("cpu"))  # the probe runs before any capture
+    monkeypatch.setattr(experts, "capturing", lambda device: True)
 
     def refuse(*args, **kwargs):
         raise AssertionError("reversed copy made")
@@ -624,3 +625,10 @@ def test_drop_and_pad_is_static_only_in_the_alltoall_dispatcher():
     padded = ("--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
     got = failures(tiny_argv(*FULL, *padded, "--moe-token-dispatcher-type", "allgather"))
     assert "--moe-token-dispatcher-type alltoall" in got["full-iteration-graphs-dropless-moe"]
+
+
+def test_the_fp32_probe_refuses_to_run_inside_a_capture(monkeypatch):
+    monkeypatch.setattr(experts, "capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match="--cuda-graph-warmup-steps 1 or more"):
+        experts._wgrad_out_dtype(torch.float32, torch.device("cpu"))
+    assert experts._fp32_wgrad_supported == {}
