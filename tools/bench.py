@@ -23,6 +23,8 @@ barrier across ranks: the last rank's time), which also times a full-iteration C
 (``--cuda-graph-impl full_iteration``). It writes ``bench.json`` and ``bench.png`` (step
 time, MFU, memory and loss curves) into ``--out``.
 
+Leading ``NAME=VALUE`` tokens of a variant are environment variables of that variant only
+(``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=compile.te_norm_traceable --compile-transformer-layers"``).
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
 micro-batch-size=1,2,4``); ``--set FLAG=VALUE`` overrides the config for all variants.
 ``--profile-iteration N`` runs iteration N of every variant under ``torch.profiler`` (every
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -53,12 +56,26 @@ from megatron.patchset import argsfile, profiling, training  # noqa: E402
 PEAK_BF16_TFLOPS = {"H100": 790.0, "H200": 790.0, "H800": 790.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
 
 
+ENV_TOKEN = re.compile(r"^[A-Z][A-Z0-9_]*=")
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, flags = text.partition("=")
     name = name.strip()
     if not name:
         raise argparse.ArgumentTypeError(f"variant {text!r} has no name")
     return name, shlex.split(flags)
+
+
+def split_env(flags: list[str]) -> tuple[dict, list[str]]:
+    """Leading ``NAME=VALUE`` tokens of a variant (upper-case names) are environment variables
+    for that variant only, e.g. ``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=x --flag"``."""
+    env = {}
+    rest = list(flags)
+    while rest and ENV_TOKEN.match(rest[0]):
+        key, _, value = rest.pop(0).partition("=")
+        env[key] = value
+    return env, rest
 
 
 def parse_assignment(text: str) -> tuple[str, list[str]]:
@@ -410,7 +427,7 @@ def main(argv=None) -> int:
         for name, flags in variants:
             label = name if value is None else f"{name} {sweep_flag[2:]}={value}"
             argv = base_argv if value is None else argsfile.override(base_argv, sweep_flag, value)
-            env = {}
+            env, flags = split_env(flags)
             if is_upstream(name, flags):
                 if opts.upstream_script:
                     entry = [os.path.join(ROOT, "tools", "run_upstream.py"), opts.upstream_script]
@@ -432,7 +449,7 @@ def main(argv=None) -> int:
             else:
                 print(f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...", flush=True)
                 code, metrics, log = run_variant(safe, entry + argv + flags, env, opts.nproc, opts.out, opts.timeout)
-            row = {"variant": label, "flags": flags, "exit_code": code, "log": log, "sweep_value": value}
+            row = {"variant": label, "flags": flags, "env": env, "exit_code": code, "log": log, "sweep_value": value}
             if opts.report_only and code != 0:
                 row["error"] = f"no metrics file {metrics}"
                 print(f"[bench] {label}: {row['error']}", flush=True)

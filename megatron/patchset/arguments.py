@@ -209,6 +209,14 @@ def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "(first-call and one-time guards); from the next one on a recompile of a compiled "
         "layer raises an error naming the failed guard.",
     )
+    group.add_argument(
+        "--compile-transformer-layers-te-kernels",
+        action="store_true",
+        default=False,
+        help="Keep TransformerEngine's norm, RoPE and fused-router kernels inside the compiled "
+        "layers (each is a graph break). By default, while dynamo traces a layer, these run as "
+        "megatron's unfused torch code, which inductor fuses; eager code keeps TE's kernels.",
+    )
     # --- end per-layer torch.compile ---
     # --- flex token dispatch backends (token_dispatcher.py) ---
     # --- end flex token dispatch backends ---

@@ -48,7 +48,8 @@ FLAG = "--compile-transformer-layers"
 MODE_FLAG = FLAG + "-mode"
 BACKEND_FLAG = FLAG + "-backend"
 WARMUP_FLAG = FLAG + "-warmup-iters"
-FLAGS = (FLAG, MODE_FLAG, BACKEND_FLAG, WARMUP_FLAG)
+TE_KERNELS_FLAG = FLAG + "-te-kernels"
+FLAGS = (FLAG, MODE_FLAG, BACKEND_FLAG, WARMUP_FLAG, TE_KERNELS_FLAG)
 
 MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 # Modes whose inductor CUDA graph trees this version refuses (see the validation rule).
@@ -59,6 +60,7 @@ DEFAULTS = {
     "compile_transformer_layers_mode": "default",
     "compile_transformer_layers_backend": "inductor",
     "compile_transformer_layers_warmup_iters": 2,
+    "compile_transformer_layers_te_kernels": False,
 }
 
 _MOE_LAYER = "megatron.core.transformer.moe.moe_layer.MoELayer"
@@ -74,6 +76,7 @@ class CompileOptions:
     mode: str = DEFAULTS["compile_transformer_layers_mode"]
     backend: str = DEFAULTS["compile_transformer_layers_backend"]
     warmup_iters: int = DEFAULTS["compile_transformer_layers_warmup_iters"]
+    te_kernels: bool = DEFAULTS["compile_transformer_layers_te_kernels"]
 
     def compile_kwargs(self) -> dict:
         """``torch.compile`` keyword arguments (a mode only means something to inductor)."""
@@ -316,6 +319,227 @@ def _tp_group_factory(original):
     return get_tensor_model_parallel_group_if_none
 
 
+# ---------------------------------------------------------------------------------------
+# Traceable substitutes for TransformerEngine kernels, while compiling
+# ---------------------------------------------------------------------------------------
+#
+# Inside a compiled layer every call into a TE pybind kernel (RMSNorm, fused RoPE, the router's
+# fused top-k / aux-loss scores, the router's gating GEMM) is a graph break: the layer is cut
+# into many small graphs, each with its own guards and autograd wrapper, and the host work of
+# the breaks outweighs what inductor saves (measured 0.87x of eager with them). While dynamo
+# traces, these patches route the same math through megatron's own unfused torch code (or an
+# equivalent torch expression), which inductor fuses with its neighbours. Eager calls -- the
+# layers' eager MoE regions, modules outside the compiled layers, every call without
+# compilation -- still run TE's kernels. ``--compile-transformer-layers-te-kernels`` keeps TE's
+# kernels inside the compiled layers too.
+
+_ROUTER = "megatron.core.transformer.moe.router"
+
+
+def traceable_substitutes(args: Any) -> bool:
+    return requested(args) and not bool(getattr(args, "compile_transformer_layers_te_kernels", False))
+
+
+def _tracing() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
+def _register_unfused_while_compiling(name: str, function: str, reason: str) -> None:
+    """``router.<function>(..., fused=...)`` is called with ``fused=False`` while compiling."""
+
+    def factory(original):
+        @functools.wraps(original)
+        def unfused_while_compiling(*args, **kwargs):
+            if kwargs.get("fused") and _tracing():
+                kwargs["fused"] = False
+            return original(*args, **kwargs)
+
+        return unfused_while_compiling
+
+    register(name, f"{_ROUTER}.{function}", reason=reason,
+             upstream_pr="fork-only (per-layer torch.compile)", flags=(FLAG, "--moe-router-fusion"),
+             enabled=_traceable_router, wraps=True)(factory)
+
+
+def _traceable_router(args: Any) -> bool:
+    return traceable_substitutes(args) and bool(getattr(args, "moe_router_fusion", False))
+
+
+_register_unfused_while_compiling(
+    "compile.router_topk_traceable", "topk_routing_with_score_function",
+    "--moe-router-fusion's TE top-k kernel is two graph breaks per compiled layer (pybind call, "
+    "int() of a pybind enum): while compiling, megatron's unfused top-k, which inductor fuses")
+_register_unfused_while_compiling(
+    "compile.router_aux_scores_traceable", "compute_routing_scores_for_aux_loss",
+    "--moe-router-fusion's TE aux-loss score kernel is two graph breaks per compiled layer: "
+    "while compiling, megatron's unfused scores")
+_register_unfused_while_compiling(
+    "compile.router_aux_loss_traceable", "switch_load_balancing_loss_func",
+    "--moe-router-fusion's TE aux-loss kernel is a graph break per compiled layer: while "
+    "compiling, megatron's unfused loss")
+
+
+def gating_linear_function():
+    """The router's gating GEMM in torch ops, as an autograd function (what upstream's
+    ``RouterGatingLinearFunction`` computes without TE): logits in ``router_dtype`` from the bf16
+    input and weight; saves the bf16 tensors, not up-cast copies; gradients in the input's and the
+    weight's dtypes. Built when the patch is applied (dynamo cannot trace a class definition)."""
+    import torch
+
+    class GatingLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, weight, bias, router_dtype):
+            ctx.save_for_backward(inp, weight)
+            ctx.router_dtype = router_dtype
+            ctx.has_bias = bias is not None
+            flat = inp.reshape(-1, inp.shape[-1]).to(router_dtype)
+            out = flat @ weight.to(router_dtype).t()
+            if bias is not None:
+                out = out + bias.to(router_dtype)
+            return out.view(*inp.shape[:-1], out.shape[-1])
+
+        @staticmethod
+        def backward(ctx, grad):
+            inp, weight = ctx.saved_tensors
+            grad = grad.reshape(-1, grad.shape[-1])
+            flat = inp.reshape(-1, inp.shape[-1]).to(ctx.router_dtype)
+            grad_inp = (grad @ weight.to(ctx.router_dtype)).to(inp.dtype).view(inp.shape)
+            grad_weight = (grad.t() @ flat).to(weight.dtype)
+            grad_bias = grad.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
+            return grad_inp, grad_weight, grad_bias, None
+
+    return GatingLinear
+
+
+@register(
+    "compile.router_gating_traceable",
+    f"{_ROUTER}.router_gating_linear",
+    reason="the router's gating GEMM goes through TE's general_gemm pybind (a graph break per "
+    "compiled layer): while compiling, the same GEMM in torch ops",
+    upstream_pr="fork-only (per-layer torch.compile)",
+    flags=(FLAG,),
+    enabled=traceable_substitutes,
+    wraps=True,
+)
+def _router_gating_factory(original):
+    import torch
+
+    function = gating_linear_function()
+
+    @functools.wraps(original)
+    def router_gating_linear(inp, weight, bias, router_dtype):
+        if _tracing() and router_dtype != torch.float64:
+            return function.apply(inp, weight, bias, router_dtype)
+        return original(inp, weight, bias, router_dtype)
+
+    return router_gating_linear
+
+
+@register(
+    "compile.rope_traceable",
+    "megatron.core.transformer.attention.apply_rotary_pos_emb",
+    reason="TE's fused RoPE (apply_rope_fusion, on by default) is a pybind call, a graph break "
+    "per query and key in each compiled layer: while compiling, megatron's unfused bshd RoPE",
+    upstream_pr="fork-only (per-layer torch.compile)",
+    flags=(FLAG,),
+    enabled=traceable_substitutes,
+    wraps=True,
+)
+def _rope_factory(original):
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
+                             mla_rotary_interleaved=None):
+        if config.apply_rope_fusion and cu_seqlens is None and _tracing():
+            from megatron.core.models.common.embeddings import rope_utils
+
+            if mla_rotary_interleaved is None:
+                mla_rotary_interleaved = config.multi_latent_attention
+            return rope_utils._apply_rotary_pos_emb_bshd(
+                t, freqs, rotary_interleaved=config.rotary_interleaved,
+                mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale)
+        return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group,
+                        mla_rotary_interleaved=mla_rotary_interleaved)
+
+    return apply_rotary_pos_emb
+
+
+def traceable_norm(x, weight, bias, eps: float, zero_centered_gamma: bool, rms: bool):
+    """RMSNorm / LayerNorm as TE computes them: in fp32, output in the input's dtype."""
+    import torch
+
+    x32 = x.float()
+    scale = weight.float() + 1.0 if zero_centered_gamma else weight.float()
+    if rms:
+        y = x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + eps) * scale
+    else:
+        y = torch.nn.functional.layer_norm(x32, (x.shape[-1],), scale,
+                                           None if bias is None else bias.float(), eps)
+    return y.to(x.dtype)
+
+
+def _norm_forward(self, inp):
+    """Instance ``forward`` of a TE norm built through the TE spec: traceable while compiling."""
+    if _tracing():
+        return traceable_norm(inp, self.weight, getattr(self, "bias", None), float(self.eps),
+                              bool(self.zero_centered_gamma), self.__megatron_patchset_rms__)
+    return type(self).forward(self, inp)
+
+
+def make_norm_traceable(norm, classes: Optional[tuple] = None):
+    """Give ``norm`` (an exact TE ``RMSNorm`` / ``LayerNorm``) the traceable instance forward;
+    other modules (the fused-residual RMSNorm, apex, torch norms) are returned unchanged."""
+    import types
+
+    if classes is None:
+        import transformer_engine.pytorch as te
+
+        classes = (te.RMSNorm, te.LayerNorm)
+    rms_class, ln_class = classes
+    if type(norm) not in (rms_class, ln_class):
+        return norm
+    missing = [a for a in ("eps", "zero_centered_gamma", "weight") if not hasattr(norm, a)]
+    if missing:
+        raise PatchsetError(
+            f"{FLAG}: {type(norm).__qualname__} has no {', '.join(missing)}; this TransformerEngine "
+            f"moved them. Run with {TE_KERNELS_FLAG} to keep TE's norm kernels inside compiled layers.")
+    norm.__megatron_patchset_rms__ = type(norm) is rms_class
+    norm.forward = types.MethodType(_norm_forward, norm)
+    return norm
+
+
+@register(
+    "compile.te_norm_traceable",
+    "megatron.core.extensions.transformer_engine_spec_provider.TENorm",
+    reason="the TE spec's q/k and pre-MLP norms are TE RMSNorm/LayerNorm modules whose kernels "
+    "are pybind calls, a graph break each in every compiled layer: while compiling, the same "
+    "norm in torch ops (fp32, as TE computes it)",
+    upstream_pr="fork-only (per-layer torch.compile)",
+    flags=(FLAG,),
+    enabled=traceable_substitutes,
+    wraps=True,
+)
+def _te_norm_factory(original):
+    class TENorm(original):
+        """Builds upstream's TE norm, with a forward that is traceable while compiling."""
+
+        def __new__(cls, *args, **kwargs):
+            return make_norm_traceable(original(*args, **kwargs))
+
+    TENorm.__qualname__ = TENorm.__name__ = original.__name__
+    return TENorm
+
+
+# Applied with every compilation unless --compile-transformer-layers-te-kernels (the router
+# fusion ones only with --moe-router-fusion: they are all ``compile.router_*_traceable``).
+TRACEABLE_PATCHES = (
+    "compile.router_gating_traceable",
+    "compile.rope_traceable",
+    "compile.te_norm_traceable",
+)
+
+
 PATCH_NAMES = tuple(EAGER_REGIONS) + (
     "compile.aux_loss_backward_opaque",
     "compile.tp_group_lookup_quiet",
@@ -513,6 +737,12 @@ def compile_transformer_layers(model_chunks: list, options: CompileOptions,
     return names
 
 
+def traceable_norm_count(model_chunks: list) -> int:
+    """TE norms of the model with the traceable forward (traced only inside compiled layers)."""
+    return sum(1 for chunk in model_chunks for module in chunk.modules()
+               if getattr(module, "__megatron_patchset_rms__", None) is not None)
+
+
 def pre_wrap_hook(args: Any) -> Callable[[list], list]:
     """The model hook for ``GPTModelConfig.pre_wrap_hooks``."""
     options = options_from_args(args)
@@ -523,7 +753,11 @@ def pre_wrap_hook(args: Any) -> Callable[[list], list]:
         names = compile_transformer_layers(model_chunks, options, monitor)
         monitor._say(
             f"compile: {len(names)} TransformerLayers compiled per layer "
-            f"(torch.compile {options.compile_kwargs()}), warm-up {options.warmup_iters} iterations"
+            f"(torch.compile {options.compile_kwargs()}), warm-up {options.warmup_iters} iterations; "
+            + (f"TE kernels inside the compiled layers ({TE_KERNELS_FLAG}: a graph break each)"
+               if options.te_kernels else
+               f"TE norms ({traceable_norm_count(model_chunks)} in the model), the router and RoPE trace as torch "
+               f"code while compiling (inductor fuses them; {TE_KERNELS_FLAG} keeps TE's kernels)")
         )
         return model_chunks
 

@@ -381,6 +381,12 @@ def apply(args: Any) -> list[str]:
     ``observe`` patches (metrics recording) are applied, and a fork feature flag is refused.
     """
     patches = wanted(args)
+    skipped = skipped_patches()
+    if skipped:
+        left_out = [p.name for p in patches if p.name in skipped]
+        print(f"megatron-patchset: {SKIP_ENV} leaves out {', '.join(left_out) or 'nothing'} "
+              f"(diagnostics: the run is not the fork's configuration)", flush=True)
+        patches = [p for p in patches if p.name not in skipped]
     if upstream_mode():
         feature = [p for p in patches if p.kind == "feature"]
         if feature:
@@ -390,6 +396,22 @@ def apply(args: Any) -> list[str]:
                 + ", ".join(sorted({f for p in feature for f in p.flags}))
             )
     return apply_patches(patches)
+
+
+SKIP_ENV = "MEGATRON_PATCHSET_SKIP_PATCHES"
+
+
+def skipped_patches() -> set[str]:
+    """Patch names in ``MEGATRON_PATCHSET_SKIP_PATCHES`` (comma-separated): left out by
+    :func:`apply` even where the flags want them, to measure what one patch does (A/B runs).
+    An unknown name is an error."""
+    names = {n.strip() for n in os.environ.get(SKIP_ENV, "").split(",") if n.strip()}
+    if names:
+        load_areas()
+        unknown = sorted(names - set(_REGISTRY))
+        if unknown:
+            raise PatchsetError(f"{SKIP_ENV}: no patch named {', '.join(unknown)}")
+    return names
 
 
 def upstream_mode() -> bool:

@@ -49,6 +49,7 @@ from megatron.patchset import training as _training
 PROFILE_ENV = "MEGATRON_PATCHSET_PROFILE"
 LABEL_PREFIX = "ps:"
 STEP_LABEL = "ps:step"
+TOP_KERNELS = 15  # the summary lists the kernels with the most GPU time in the step
 
 # Table order and the names a Megatron MoE engineer knows them by.
 CATEGORIES = {
@@ -107,11 +108,24 @@ def parse_label(name: str) -> Optional[tuple[str, str, Optional[int]]]:
 _current_layer: list = [None]
 
 
+# True while the profiled iteration runs: the labels are installed from the first training
+# iteration on (before torch.compile traces anything: replacing methods later would change
+# what compiled layers guard on, a recompile), and record only while this is set.
+_RECORDING = [False]
+
+
 def _labelled(original: Callable, category: str, detail: str, *, sets_layer: bool) -> Callable:
+    """``original`` inside a ``record_function`` label while recording. Traced by dynamo (a
+    compiled layer), it is just ``original``: no label, no guard on the recording state. A
+    compile-disabled ``original`` (the compiled layers' eager MoE regions) gets a
+    compile-disabled wrapper: the graph break moves out by one call, and the region is labelled
+    in compiled runs too."""
     import torch
 
     @functools.wraps(original)
     def run(*args, **kwargs):
+        if torch.compiler.is_compiling() or not _RECORDING[0]:
+            return original(*args, **kwargs)
         owner = args[0] if args else None
         layer = getattr(owner, "layer_number", None) if sets_layer else _current_layer[-1]
         if sets_layer:
@@ -123,6 +137,9 @@ def _labelled(original: Callable, category: str, detail: str, *, sets_layer: boo
             if sets_layer:
                 _current_layer.pop()
 
+    if getattr(original, "_torchdynamo_disable", False):
+        # Dynamo would inline the wrapper (skipping the label) and break at ``original``.
+        return torch.compiler.disable(run)
     return run
 
 
@@ -363,10 +380,15 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
     gpu_hi = max([hi] + [_end(e) for e in device])
     busy = union_length(((float(e["ts"]), _end(e)) for e in device), lo, gpu_hi)
     d2h = sum(1 for e in device if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", ""))
+    per_kernel: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in device:
         if e.get("cat") == "kernel":
             corr = (e.get("args") or {}).get("correlation")
             cats[correlation.get(corr, "other")]["gpu_kernel_us"] += float(e.get("dur") or 0)
+            entry = per_kernel[e.get("name", "?")]
+            entry[0] += 1
+            entry[1] += float(e.get("dur") or 0)
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     p2p_spans, compute = split_kernels(device, p2p_launch)
     p2p = p2p_exposure(p2p_spans, compute, lo, gpu_hi)
     p2p_list = p2p_kernels(p2p_spans, compute, lo, gpu_hi)
@@ -400,6 +422,7 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
         "details_ms": {k: v * ms for k, v in sorted(details.items(), key=lambda kv: -kv[1])},
         "p2p": p2p,
         "p2p_kernels": p2p_list,
+        "top_kernels": [{"name": name, "calls": n, "gpu_ms": us * ms} for name, (n, us) in top],
     }
 
 
@@ -524,6 +547,10 @@ def format_summary(summary: dict) -> str:
             table.append([layer, *(f"{values.get(c, 0.0):.2f}" for c in cols),
                           f"{sum(values.values()):.2f}"])
         lines += ["", "Host ms per layer (forward and backward):", "", markdown_table(table)]
+    if summary.get("top_kernels"):
+        table = [["kernel (most GPU time first)", "calls", "GPU ms"]]
+        table += [[k["name"][:90], str(k["calls"]), f"{k['gpu_ms']:.2f}"] for k in summary["top_kernels"]]
+        lines += ["", "GPU kernels of the step:", "", markdown_table(table)]
     return "\n".join(lines)
 
 
@@ -579,6 +606,21 @@ def _meta(iteration: int) -> dict:
     return meta
 
 
+_INSTALLED: list = []  # the run's Labels, installed at its first training iteration
+
+
+def install_labels(optimizer=None, config=None) -> None:
+    """Install the labels for the rest of the run (idempotent); they record in profile_call."""
+    if not _INSTALLED:
+        _INSTALLED.append(Labels(optimizer=optimizer, config=config))
+
+
+def remove_labels() -> None:
+    """Put the originals back (tests; a training run keeps the labels to its end)."""
+    while _INSTALLED:
+        _INSTALLED.pop().remove()
+
+
 def profile_call(step: Callable, folder: str, iteration: int, *, optimizer=None, config=None) -> Any:
     """Run ``step()`` once under the profiler with the labels; rank 0 writes the trace and summary."""
     import torch
@@ -588,7 +630,8 @@ def profile_call(step: Callable, folder: str, iteration: int, *, optimizer=None,
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
         torch.cuda.synchronize()
-    labels = Labels(optimizer=optimizer, config=config)
+    labels = None if _INSTALLED else Labels(optimizer=optimizer, config=config)
+    _RECORDING[0] = True
     try:
         with profile(activities=activities, record_shapes=False, with_stack=False,
                      profile_memory=False) as prof:
@@ -597,7 +640,9 @@ def profile_call(step: Callable, folder: str, iteration: int, *, optimizer=None,
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
     finally:
-        labels.remove()
+        _RECORDING[0] = False
+        if labels is not None:
+            labels.remove()
     rank = _rank()
     out = rank_folder(folder, rank)
     os.makedirs(out, exist_ok=True)
@@ -641,6 +686,8 @@ def _wrap_train_step(original):
         number = calls[0] if iteration is None else int(iteration) + 1
         call = functools.partial(original, forward_step_func, data_iterator, model, optimizer,
                                  opt_param_scheduler, config, forward_backward_func, *args, **kwargs)
+        if request is not None:
+            install_labels(optimizer=optimizer, config=config)
         if request is None or number != request[1]:
             return call()
         return profile_call(call, request[0], number, optimizer=optimizer, config=config)

@@ -319,3 +319,13 @@ def test_bench_time_fwd_bwd_sets_the_timer_for_every_variant(tmp_path, monkeypat
     envs.clear()
     bench.main(args)
     assert not any("MEGATRON_PATCHSET_TIME_FWD_BWD" in env for env in envs.values())
+
+
+def test_variant_env_tokens():
+    name, flags = bench.parse_variant("no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=a,b X_Y=1 --flag --num-layers 2")
+    env, rest = bench.split_env(flags)
+    assert name == "no-norm"
+    assert env == {"MEGATRON_PATCHSET_SKIP_PATCHES": "a,b", "X_Y": "1"}
+    assert rest == ["--flag", "--num-layers", "2"]
+    # Only leading upper-case tokens: a flag value with "=" stays a flag value.
+    assert bench.split_env(["--set", "A=1"]) == ({}, ["--set", "A=1"])

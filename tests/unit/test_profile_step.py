@@ -271,7 +271,7 @@ def test_patch_is_registered_as_observe_on_train_step(monkeypatch):
     assert patch.wanted(None)
 
 
-def test_wrapper_profiles_exactly_the_requested_iteration_and_removes_its_labels(tmp_path, monkeypatch):
+def test_wrapper_profiles_exactly_the_requested_iteration_with_labels_from_the_start(tmp_path, monkeypatch):
     import torch
     from megatron.core.transformer.moe import moe_layer, token_dispatcher
 
@@ -290,17 +290,22 @@ def test_wrapper_profiles_exactly_the_requested_iteration_and_removes_its_labels
     def fake_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config,
                         forward_backward_func, iteration=None, pg_collection=None):
         labelled = moe_layer.MoELayer.route is not route
-        seen.append((iteration, labelled, token_dispatcher.permute is not permute))
+        seen.append((iteration, labelled, token_dispatcher.permute is not permute, profiling._RECORDING[0]))
         optimizer.step()
         config.finalize_model_grads_func()
         return f"result {iteration}"
 
     opt, config = Opt(), types.SimpleNamespace(finalize_model_grads_func=finalize)
     wrapped = patches.get("training.observe_train_step").factory(fake_train_step)
-    results = [wrapped(None, None, None, opt, None, config, None, iteration=i) for i in range(3)]
+    try:
+        results = [wrapped(None, None, None, opt, None, config, None, iteration=i) for i in range(3)]
+    finally:
+        profiling.remove_labels()
     assert results == ["result 0", "result 1", "result 2"]
     its = [s for s in seen if s[0] != "step"]
-    assert its == [(0, False, False), (1, True, True), (2, False, False)]  # iteration 2 = iteration=1
+    # Labels installed from the first iteration on (compiled layers must never see methods
+    # change), recording only in the profiled one (iteration 2 = iteration=1).
+    assert its == [(0, True, True, False), (1, True, True, True), (2, True, True, False)]
     assert moe_layer.MoELayer.route is route and token_dispatcher.permute is permute
     assert "step" not in vars(opt) and config.finalize_model_grads_func is finalize
     summary = json.load(open(tmp_path / "summary.json"))
@@ -365,8 +370,10 @@ def profiled_worker(rank, argv, port, folder, steps):
     step = patches.get("training.observe_train_step").factory(train_step)
     for i in range(steps):
         step(pretrain_gpt.forward_step, iter([batch]), model, optimizer, None, model.config, None, iteration=i)
+    installed = moe_layer.MoELayer.route is not route
+    profiling.remove_labels()
     with open(os.path.join(folder, "after.json"), "w") as handle:
-        json.dump({"route_restored": moe_layer.MoELayer.route is route}, handle)
+        json.dump({"installed_for_the_run": installed, "route_restored": moe_layer.MoELayer.route is route}, handle)
     torch.distributed.destroy_process_group()
 
 
@@ -377,7 +384,8 @@ def test_one_profiled_step_of_the_tiny_moe_on_cpu(tmp_path):
     argv = cpu_argv("--global-batch-size", "2", "--micro-batch-size", "1")
     mp.spawn(profiled_worker, args=(argv, _free_port(), str(tmp_path), 2), nprocs=1, join=True)
     summary = json.load(open(tmp_path / "summary.json"))
-    assert json.load(open(tmp_path / "after.json"))["route_restored"]
+    after = json.load(open(tmp_path / "after.json"))
+    assert after["installed_for_the_run"] and after["route_restored"]
     assert summary["iteration"] == 2 and (tmp_path / "trace.json").stat().st_size > 0
     cats = summary["categories"]
     for name in ("attention", "router", "dispatch", "permutation", "expert", "combine", "optimizer"):
@@ -392,3 +400,56 @@ def test_one_profiled_step_of_the_tiny_moe_on_cpu(tmp_path):
     assert all(v["router"] > 0 and v["expert"] > 0 for v in summary["layers"].values())
     text = profiling.format_summary(summary)
     assert "token dispatch" in text and "no CUDA activity" in text
+
+
+def test_top_kernels_sum_the_step_kernels_by_name():
+    s = profiling.summarize_trace(synthetic_trace())
+    top = s["top_kernels"]
+    assert top and top == sorted(top, key=lambda k: -k["gpu_ms"])
+    assert sum(k["calls"] for k in top) == sum(
+        1 for e in synthetic_trace() if e.get("cat") == "kernel" and e.get("ph") == "X" and e["ts"] + e["dur"] > 0)
+    text = profiling.format_summary(s)
+    assert "GPU kernels of the step:" in text and top[0]["name"][:20] in text
+
+
+def test_labels_record_only_while_profiling_and_are_transparent_to_dynamo(monkeypatch):
+    """Installed from the first iteration, the labels change nothing a compiled function guards
+    on: compiling through one and then recording with it is not a recompile."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    recorded = []
+
+    class Recorder:
+        def __init__(self, name):
+            recorded.append(name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def work(x):
+        return x * 2 + 1
+
+    labelled = profiling._labelled(work, "router", "", sets_layer=False)
+    region = profiling._labelled(torch.compiler.disable(work), "dispatch", "", sets_layer=False)
+    monkeypatch.setattr(torch.profiler, "record_function", Recorder)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda t: region(labelled(t)) - 1, backend="eager")
+    x = torch.ones(3)
+    try:
+        assert torch.equal(compiled(x), torch.full((3,), 6.0))
+        assert recorded == []  # not recording
+        profiling._RECORDING[0] = True
+        with torch.compiler.set_stance("fail_on_recompile"):
+            assert torch.equal(compiled(x), torch.full((3,), 6.0))
+        # The compiled part carries no label; the compile-disabled region runs eagerly, labelled.
+        assert recorded == [profiling.label("dispatch", "", None)]
+        assert labelled(x).tolist() == [3.0] * 3 and recorded[-1] == profiling.label("router", "", None)
+    finally:
+        profiling._RECORDING[0] = False
+        torch._dynamo.reset()

@@ -117,6 +117,23 @@ def test_apply_selects_by_flags(registry):
     assert fake_upstream.helper(1) == -1
 
 
+def test_skip_env_leaves_named_patches_out(registry, monkeypatch, capsys):
+    @registry.register("fake.on", f"{FAKE}.helper", reason="r", upstream_pr="none", flags=("--fake-on",))
+    def helper(x):
+        return -x
+
+    monkeypatch.setenv(patches.SKIP_ENV, "fake.on")
+    assert registry.apply(object()) == []
+    assert fake_upstream.helper(1) == 2
+    assert "leaves out fake.on" in capsys.readouterr().out
+    monkeypatch.setenv(patches.SKIP_ENV, "fake.on,no.such")
+    with pytest.raises(patches.PatchsetError, match="no patch named no.such"):
+        registry.apply(object())
+    monkeypatch.delenv(patches.SKIP_ENV)
+    assert registry.apply(object()) == ["fake.on"]
+    assert fake_upstream.helper(1) == -1
+
+
 def test_two_patches_on_one_target_are_refused(registry):
     registry.register("fake.a", f"{FAKE}.helper", reason="r", upstream_pr="none")(lambda x: 0)
     registry.register("fake.b", f"{FAKE}.helper", reason="r", upstream_pr="none")(lambda x: 1)
