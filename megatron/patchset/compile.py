@@ -71,6 +71,16 @@ def requested(args: Any) -> bool:
     return bool(getattr(args, "compile_transformer_layers", False)) if args is not None else False
 
 
+UPSTREAM_PR = "fork-only (per-layer torch.compile)"
+
+
+def compile_patch(name: str, target: str, reason: str, *, enabled: Callable[[Any], bool] = requested,
+                  flags: tuple = (FLAG,)) -> Callable:
+    """``register`` for this area's patches: wrapping factories, turned on by the compile flag."""
+    return register(name, target, reason=reason, upstream_pr=UPSTREAM_PR, flags=flags,
+                    enabled=enabled, wraps=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileOptions:
     mode: str = DEFAULTS["compile_transformer_layers_mode"]
@@ -152,10 +162,7 @@ EAGER_REGIONS = {
 
 def _register_eager_regions() -> None:
     for name, (target, reason, dynamic) in EAGER_REGIONS.items():
-        register(
-            name, target, reason=reason, upstream_pr="fork-only (per-layer torch.compile)",
-            flags=(FLAG,), enabled=requested, wraps=True, kind="feature",
-        )(functools.partial(eager_region, data_dependent_outputs=dynamic))
+        compile_patch(name, target, reason)(functools.partial(eager_region, data_dependent_outputs=dynamic))
 
 
 _register_eager_regions()
@@ -204,15 +211,11 @@ def aux_loss_grad_op():
     return _AUX_GRAD_OP
 
 
-@register(
+@compile_patch(
     "compile.aux_loss_backward_opaque",
     f"{_AUX_SCALER}.backward",
-    reason="dynamo cannot trace the backward's class-attribute loss scale (a graph break at every "
+    "dynamo cannot trace the backward's class-attribute loss scale (a graph break at every "
     "aux/z-loss in the router): compute the same gradient in a custom op run at backward time",
-    upstream_pr="fork-only (per-layer torch.compile)",
-    flags=(FLAG,),
-    enabled=requested,
-    wraps=True,
 )
 def _aux_backward_factory(original):
     op = aux_loss_grad_op()
@@ -267,16 +270,14 @@ def force_load_balancing(args: Any) -> bool:
     return requested(args) and bool(getattr(args, "moe_router_force_load_balancing", False))
 
 
-@register(
+@compile_patch(
     "compile.random_logits_opaque",
     "megatron.core.transformer.moe.router.apply_random_logits",
-    reason="--moe-router-force-load-balancing draws the router's logits inside the RNG tracker's "
+    "--moe-router-force-load-balancing draws the router's logits inside the RNG tracker's "
     "fork (CUDA RNG state reads, not traceable) within MoELayer.custom_forward's try block, so "
     "dynamo ran the whole MoE body eagerly: draw them in a custom op",
-    upstream_pr="fork-only (per-layer torch.compile)",
-    flags=(FLAG, "--moe-router-force-load-balancing"),
     enabled=force_load_balancing,
-    wraps=True,
+    flags=(FLAG, "--moe-router-force-load-balancing"),
 )
 def _random_logits_factory(original):
     op = random_logits_op()
@@ -288,16 +289,12 @@ def _random_logits_factory(original):
     return apply_random_logits
 
 
-@register(
+@compile_patch(
     "compile.tp_group_lookup_quiet",
     "megatron.core.tensor_parallel.layers.get_tensor_model_parallel_group_if_none",
-    reason="the local spec's RowParallelLinear passes tp_group=None and the rank-0-only "
+    "the local spec's RowParallelLinear passes tp_group=None and the rank-0-only "
     "deprecation warning is a graph break on rank 0 only: resolve the same group without it "
     "while compiling",
-    upstream_pr="fork-only (per-layer torch.compile)",
-    flags=(FLAG,),
-    enabled=requested,
-    wraps=True,
 )
 def _tp_group_factory(original):
     @functools.wraps(original)
@@ -358,9 +355,8 @@ def _register_unfused_while_compiling(name: str, function: str, reason: str) -> 
 
         return unfused_while_compiling
 
-    register(name, f"{_ROUTER}.{function}", reason=reason,
-             upstream_pr="fork-only (per-layer torch.compile)", flags=(FLAG, "--moe-router-fusion"),
-             enabled=_traceable_router, wraps=True)(factory)
+    compile_patch(name, f"{_ROUTER}.{function}", reason, enabled=_traceable_router,
+                  flags=(FLAG, "--moe-router-fusion"))(factory)
 
 
 def _traceable_router(args: Any) -> bool:
@@ -413,15 +409,12 @@ def gating_linear_function():
     return GatingLinear
 
 
-@register(
+@compile_patch(
     "compile.router_gating_traceable",
     f"{_ROUTER}.router_gating_linear",
-    reason="the router's gating GEMM goes through TE's general_gemm pybind (a graph break per "
+    "the router's gating GEMM goes through TE's general_gemm pybind (a graph break per "
     "compiled layer): while compiling, the same GEMM in torch ops",
-    upstream_pr="fork-only (per-layer torch.compile)",
-    flags=(FLAG,),
     enabled=traceable_substitutes,
-    wraps=True,
 )
 def _router_gating_factory(original):
     import torch
@@ -437,15 +430,12 @@ def _router_gating_factory(original):
     return router_gating_linear
 
 
-@register(
+@compile_patch(
     "compile.rope_traceable",
     "megatron.core.transformer.attention.apply_rotary_pos_emb",
-    reason="TE's fused RoPE (apply_rope_fusion, on by default) is a pybind call, a graph break "
+    "TE's fused RoPE (apply_rope_fusion, on by default) is a pybind call, a graph break "
     "per query and key in each compiled layer: while compiling, megatron's unfused bshd RoPE",
-    upstream_pr="fork-only (per-layer torch.compile)",
-    flags=(FLAG,),
     enabled=traceable_substitutes,
-    wraps=True,
 )
 def _rope_factory(original):
     @functools.wraps(original)
@@ -509,16 +499,13 @@ def make_norm_traceable(norm, classes: Optional[tuple] = None):
     return norm
 
 
-@register(
+@compile_patch(
     "compile.te_norm_traceable",
     "megatron.core.extensions.transformer_engine_spec_provider.TENorm",
-    reason="the TE spec's q/k and pre-MLP norms are TE RMSNorm/LayerNorm modules whose kernels "
+    "the TE spec's q/k and pre-MLP norms are TE RMSNorm/LayerNorm modules whose kernels "
     "are pybind calls, a graph break each in every compiled layer: while compiling, the same "
     "norm in torch ops (fp32, as TE computes it)",
-    upstream_pr="fork-only (per-layer torch.compile)",
-    flags=(FLAG,),
     enabled=traceable_substitutes,
-    wraps=True,
 )
 def _te_norm_factory(original):
     class TENorm(original):
