@@ -213,9 +213,10 @@ def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--compile-transformer-layers-te-kernels",
         action="store_true",
         default=False,
-        help="Keep TransformerEngine's norm, RoPE and fused-router kernels inside the compiled "
-        "layers (each is a graph break). By default, while dynamo traces a layer, these run as "
-        "megatron's unfused torch code, which inductor fuses; eager code keeps TE's kernels.",
+        help="Keep TransformerEngine's norm, RoPE, router-gating GEMM and fused-router kernels "
+        "inside the compiled layers (each is a graph break). By default, while dynamo traces a "
+        "layer, these run as torch code (megatron's unfused paths), which inductor fuses; eager "
+        "code keeps TE's kernels.",
     )
     # --- end per-layer torch.compile ---
     # --- flex token dispatch backends (token_dispatcher.py) ---

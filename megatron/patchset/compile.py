@@ -337,10 +337,16 @@ def traceable_substitutes(args: Any) -> bool:
     return requested(args) and not bool(getattr(args, "compile_transformer_layers_te_kernels", False))
 
 
+# True while a compiled TransformerLayer runs (set by compile_layer's wrapper, outside the
+# traced code): other torch.compile'd code (upstream's own compiled helpers) keeps TE's path.
+_IN_COMPILED_LAYER = [False]
+
+
 def _tracing() -> bool:
+    """Dynamo is tracing one of the compiled TransformerLayers."""
     import torch
 
-    return torch.compiler.is_compiling()
+    return torch.compiler.is_compiling() and _IN_COMPILED_LAYER[0]
 
 
 def _register_unfused_while_compiling(name: str, function: str, reason: str) -> None:
@@ -349,7 +355,9 @@ def _register_unfused_while_compiling(name: str, function: str, reason: str) -> 
     def factory(original):
         @functools.wraps(original)
         def unfused_while_compiling(*args, **kwargs):
-            if kwargs.get("fused") and _tracing():
+            # Upstream's fused top-k ignores router replay, the unfused one honours it: keep the
+            # fused kernel (a graph break) there, so compiled and eager routing stay the same.
+            if kwargs.get("fused") and kwargs.get("router_replay") is None and _tracing():
                 kwargs["fused"] = False
             return original(*args, **kwargs)
 
@@ -440,15 +448,18 @@ def _router_gating_factory(original):
 def _rope_factory(original):
     @functools.wraps(original)
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
-                             mla_rotary_interleaved=None):
-        if config.apply_rope_fusion and cu_seqlens is None and _tracing():
+                             mla_rotary_interleaved=False):
+        # Upstream's fused path is taken only without mRoPE, mscale and MLA interleaving; the
+        # others already run unfused (and traceable) there.
+        if (config.apply_rope_fusion and cu_seqlens is None and mscale == 1.0
+                and getattr(config, "mrope_section", None) is None and not mla_rotary_interleaved
+                and _tracing()):
             from megatron.core.models.common.embeddings import rope_utils
 
-            if mla_rotary_interleaved is None:
-                mla_rotary_interleaved = config.multi_latent_attention
+            # In fp32, as TE's fused kernel computes (upstream's unfused path rounds cos/sin to
+            # the input's dtype): inductor fuses the casts.
             return rope_utils._apply_rotary_pos_emb_bshd(
-                t, freqs, rotary_interleaved=config.rotary_interleaved,
-                mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale)
+                t.float(), freqs, rotary_interleaved=config.rotary_interleaved).to(t.dtype)
         return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group,
                         mla_rotary_interleaved=mla_rotary_interleaved)
 
@@ -456,17 +467,20 @@ def _rope_factory(original):
 
 
 def traceable_norm(x, weight, bias, eps: float, zero_centered_gamma: bool, rms: bool):
-    """RMSNorm / LayerNorm as TE computes them: in fp32, output in the input's dtype."""
+    """RMSNorm / LayerNorm as TE computes them: the input cast to the autocast dtype (else the
+    weight's dtype), the norm in fp32, the output in that dtype. (An fp32 residual stream with
+    bf16 weights, ``--fp32-residual-connection``, gives bf16 outputs, as TE's kernels do.)"""
     import torch
 
-    x32 = x.float()
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight.dtype
+    x32 = x.to(dtype).float()
     scale = weight.float() + 1.0 if zero_centered_gamma else weight.float()
     if rms:
         y = x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + eps) * scale
     else:
         y = torch.nn.functional.layer_norm(x32, (x.shape[-1],), scale,
                                            None if bias is None else bias.float(), eps)
-    return y.to(x.dtype)
+    return y.to(dtype)
 
 
 def _norm_forward(self, inp):
@@ -477,16 +491,20 @@ def _norm_forward(self, inp):
     return type(self).forward(self, inp)
 
 
+def te_norm_classes() -> tuple:
+    """TE's ``RMSNorm`` and ``LayerNorm`` (exact types; subclasses such as the fused-residual
+    RMSNorm have other forward signatures and are left alone)."""
+    import transformer_engine.pytorch as te
+
+    return te.RMSNorm, te.LayerNorm
+
+
 def make_norm_traceable(norm, classes: Optional[tuple] = None):
     """Give ``norm`` (an exact TE ``RMSNorm`` / ``LayerNorm``) the traceable instance forward;
     other modules (the fused-residual RMSNorm, apex, torch norms) are returned unchanged."""
     import types
 
-    if classes is None:
-        import transformer_engine.pytorch as te
-
-        classes = (te.RMSNorm, te.LayerNorm)
-    rms_class, ln_class = classes
+    rms_class, ln_class = classes if classes is not None else te_norm_classes()
     if type(norm) not in (rms_class, ln_class):
         return norm
     missing = [a for a in ("eps", "zero_centered_gamma", "weight") if not hasattr(norm, a)]
@@ -677,10 +695,15 @@ def compile_layer(layer, options: CompileOptions, monitor: Optional[CompileMonit
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        if monitor is not None and monitor.strict and layer.training:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return compiled(*args, **kwargs)
-        return compiled(*args, **kwargs)
+        outer = _IN_COMPILED_LAYER[0]
+        _IN_COMPILED_LAYER[0] = True
+        try:
+            if monitor is not None and monitor.strict and layer.training:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return compiled(*args, **kwargs)
+            return compiled(*args, **kwargs)
+        finally:
+            _IN_COMPILED_LAYER[0] = outer
 
     forward.__megatron_patchset_compiled__ = True
     layer.forward = forward
@@ -707,9 +730,13 @@ def compile_transformer_layers(model_chunks: list, options: CompileOptions,
 
     missing = [name for name in PATCH_NAMES if name not in applied()]
     if missing:
+        from megatron.patchset.patches import SKIP_ENV, skipped_patches
+
+        skipped = sorted(set(missing) & skipped_patches())
         raise PatchsetError(
-            f"{FLAG}: the compile patches {', '.join(missing)} are not applied; call "
-            f"megatron.patchset.patches.apply(args) before building the model"
+            f"{FLAG}: the compile patches {', '.join(missing)} are not applied; "
+            + (f"{SKIP_ENV} leaves out {', '.join(skipped)}, which compilation needs"
+               if skipped else "call megatron.patchset.patches.apply(args) before building the model")
         )
     configure_dynamo()
     names = []

@@ -384,8 +384,9 @@ def apply(args: Any) -> list[str]:
     skipped = skipped_patches()
     if skipped:
         left_out = [p.name for p in patches if p.name in skipped]
-        print(f"megatron-patchset: {SKIP_ENV} leaves out {', '.join(left_out) or 'nothing'} "
-              f"(diagnostics: the run is not the fork's configuration)", flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megatron-patchset: {SKIP_ENV} leaves out {', '.join(left_out) or 'nothing'} "
+                  f"(diagnostics: the run is not the fork's configuration)", flush=True)
         patches = [p for p in patches if p.name not in skipped]
     if upstream_mode():
         feature = [p for p in patches if p.kind == "feature"]

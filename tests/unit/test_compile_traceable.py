@@ -8,6 +8,7 @@ TE would be called, and count dynamo's graph breaks."""
 
 import pytest
 import torch
+import torch._dynamo
 
 from megatron.patchset import compile as ps_compile
 from megatron.patchset import patches
@@ -23,6 +24,14 @@ def fresh_dynamo():
     counters.clear()
     yield counters
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def in_compiled_layer():
+    """What compile_layer's wrapper sets around a compiled TransformerLayer's call."""
+    ps_compile._IN_COMPILED_LAYER[0] = True
+    yield
+    ps_compile._IN_COMPILED_LAYER[0] = False
 
 
 def breaks(counters) -> int:
@@ -70,6 +79,20 @@ def test_traceable_norm_is_the_fp32_norm(rms, zero_centered):
     torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float(), rtol=0, atol=0.02)
 
 
+def test_traceable_norm_output_dtype_follows_the_weight_as_te():
+    """An fp32 residual stream (--fp32-residual-connection) into a bf16 norm: TE casts the input
+    to the weight's dtype and returns that dtype; so must the substitute."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 64) * 3
+    weight = torch.randn(64, dtype=torch.bfloat16)
+    out = ps_compile.traceable_norm(x, weight, None, 1e-6, False, True)
+    assert out.dtype == torch.bfloat16
+    ref = torch.nn.functional.rms_norm(x.to(torch.bfloat16).float(), (64,), weight.float(), eps=1e-6)
+    assert torch.equal(out, ref.to(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert ps_compile.traceable_norm(x, weight, None, 1e-6, False, True).dtype == torch.float16
+
+
 class _Kernel:
     """A stand-in for a TE pybind kernel: dynamo must not trace it (a graph break), and it
     counts its calls."""
@@ -97,12 +120,18 @@ def _stand_in_norm_classes(kernel):
             return kernel.kernel(x, self.weight, self.eps)
 
     class LayerNorm(RMSNorm):
-        pass
+        def __init__(self, n, eps=1e-6):
+            super().__init__(n, eps)
+            self.bias = torch.nn.Parameter(torch.randn(n))
+
+        def forward(self, x):
+            kernel.calls += 1
+            return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
     return RMSNorm, LayerNorm
 
 
-def test_norm_traces_while_compiling_and_calls_the_kernel_eagerly(fresh_dynamo):
+def test_norm_traces_while_compiling_and_calls_the_kernel_eagerly(fresh_dynamo, in_compiled_layer):
     import copy
 
     kernel = _Kernel()
@@ -123,6 +152,19 @@ def test_norm_traces_while_compiling_and_calls_the_kernel_eagerly(fresh_dynamo):
     torch.compile(lambda t: plain(t) * 2, backend="aot_eager")(x)
     assert kernel.calls == 2 and breaks(fresh_dynamo) >= 1
 
+    # LayerNorm (with its bias) traced the same way.
+    ln = ps_compile.make_norm_traceable(ln_class(32), classes=(rms_class, ln_class))
+    calls = kernel.calls
+    traced = torch.compile(lambda t: ln(t), backend="aot_eager")(x)
+    assert kernel.calls == calls
+    torch.testing.assert_close(traced, torch.nn.functional.layer_norm(x, (32,), ln.weight, ln.bias, 1e-6))
+
+    # Outside a compiled TransformerLayer (other torch.compile'd code) the kernel stays.
+    ps_compile._IN_COMPILED_LAYER[0] = False
+    torch.compile(lambda t: norm(t) + 1, backend="aot_eager")(x)
+    assert kernel.calls == calls + 1
+    ps_compile._IN_COMPILED_LAYER[0] = True
+
     # A deep copy keeps its own weight (the forward is bound to the copy, not to the original).
     twin = copy.deepcopy(norm)
     with torch.no_grad():
@@ -138,7 +180,30 @@ def test_norm_traces_while_compiling_and_calls_the_kernel_eagerly(fresh_dynamo):
         ps_compile.make_norm_traceable(broken, classes=(rms_class, ln_class))
 
 
-def test_router_gating_matches_upstream_and_traces(fresh_dynamo):
+def test_te_norm_factory_builds_upstream_norm_and_makes_exact_te_norms_traceable(monkeypatch):
+    """The patched spec-provider TENorm builds what upstream's builds; exact TE RMSNorm/LayerNorm
+    instances get the traceable forward, anything else (the fused-residual RMSNorm, a subclass)
+    is returned untouched."""
+    kernel = _Kernel()
+    rms_class, ln_class = _stand_in_norm_classes(kernel)
+
+    class FusedResidual(rms_class):
+        pass
+
+    class UpstreamTENorm:
+        def __new__(cls, config, hidden_size, eps=1e-5, has_residual=False):
+            return (FusedResidual if has_residual else rms_class)(hidden_size, eps)
+
+    monkeypatch.setattr(ps_compile, "te_norm_classes", lambda: (rms_class, ln_class))
+    patched = ps_compile._te_norm_factory(UpstreamTENorm)
+    assert patched.__name__ == "UpstreamTENorm" and issubclass(patched, UpstreamTENorm)
+    plain = patched(None, 16, eps=1e-5)
+    assert type(plain) is rms_class and "forward" in plain.__dict__ and plain.eps == 1e-5
+    fused = patched(None, 16, has_residual=True)
+    assert type(fused) is FusedResidual and "forward" not in fused.__dict__
+
+
+def test_router_gating_matches_upstream_and_traces(fresh_dynamo, in_compiled_layer):
     """On the CPU (no TE) upstream's gating is its torch.mm path: the substitute must give the
     same logits and gradients, and trace without a break (upstream's calls TE's GEMM on GPUs)."""
     from megatron.core.transformer.moe import moe_utils
@@ -167,7 +232,7 @@ def test_router_gating_matches_upstream_and_traces(fresh_dynamo):
         patches.revert(names)
 
 
-def test_rope_unfused_while_compiling(fresh_dynamo):
+def test_rope_unfused_while_compiling(fresh_dynamo, in_compiled_layer):
     """With apply_rope_fusion on (TE's kernel, absent on the CPU: upstream's fused path would fail
     here), the compiled call takes megatron's unfused bshd path; eager calls still go to upstream."""
     from types import SimpleNamespace
@@ -181,12 +246,20 @@ def test_rope_unfused_while_compiling(fresh_dynamo):
         patched = attention.apply_rotary_pos_emb
         config = SimpleNamespace(apply_rope_fusion=True, rotary_interleaved=False, multi_latent_attention=False,
                                  mrope_section=None)
-        t = torch.randn(16, 2, 4, 32)
+        t = torch.randn(16, 2, 4, 32, dtype=torch.bfloat16)
         freqs = torch.randn(16, 1, 1, 32)
-        ref = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False)
+        # In fp32, as TE's fused kernel: closer to the fp32 result than upstream's unfused bf16 path.
+        exact = rope_utils._apply_rotary_pos_emb_bshd(t.float(), freqs, rotary_interleaved=False)
         out = torch.compile(lambda a, b: patched(a, b, config=config), backend="aot_eager", fullgraph=True)(t, freqs)
-        torch.testing.assert_close(out, ref)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, exact.to(torch.bfloat16), rtol=0, atol=0)
         assert breaks(fresh_dynamo) == 0
+        # Eagerly with fusion off, upstream's own result, also for MLA configs (whose attention
+        # does not ask for MLA interleaving here: upstream's default is False).
+        mla = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=True,
+                              mrope_section=None)
+        torch.testing.assert_close(patched(t, freqs, config=mla, cp_group=object()),
+                                   patched.__wrapped__(t, freqs, config=mla, cp_group=object()), rtol=0, atol=0)
         # Eagerly the call goes to upstream's fused path (TE's kernel: not on the CPU).
         with pytest.raises(AssertionError, match="apply_rope_fusion is not available"):
             patched(t, freqs, config=config, cp_group=object())
@@ -194,7 +267,7 @@ def test_rope_unfused_while_compiling(fresh_dynamo):
         patches.revert(names)
 
 
-def test_router_fusion_is_dropped_only_while_compiling(fresh_dynamo):
+def test_router_fusion_is_dropped_only_while_compiling(fresh_dynamo, in_compiled_layer):
     names = patches.apply_patches([patches.get(n) for n in (
         "compile.router_topk_traceable", "compile.router_aux_scores_traceable", "compile.router_aux_loss_traceable")])
     try:
@@ -209,9 +282,15 @@ def test_router_fusion_is_dropped_only_while_compiling(fresh_dynamo):
         probs, routing_map = torch.compile(route, backend="aot_eager")(logits)
         torch.testing.assert_close(probs, ref_probs)
         assert torch.equal(routing_map, ref_map)
-        # Eagerly the fused request reaches upstream unchanged (no TE here: its kernel is missing).
-        with pytest.raises(Exception):
+        # Eagerly the fused request reaches upstream unchanged (no TE here: its kernel is missing),
+        # and so does a traced one with router replay (upstream's fused kernel ignores replay).
+        with pytest.raises(Exception, match="fused_topk_with_score_function is not available"):
             route(logits)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="fused_topk_with_score_function is not available"):
+            torch.compile(lambda x: router.topk_routing_with_score_function(
+                x, 2, fused=True, router_replay=object()), backend="aot_eager")(logits)
+        fresh_dynamo.clear()  # that failure is a graph break; the counts below are the others'
         scores_map, scores = torch.compile(
             lambda x: router.compute_routing_scores_for_aux_loss(x, 2, "softmax", fused=True), backend="aot_eager")(logits)
         ref_scores_map, ref_scores = moe_utils.compute_routing_scores_for_aux_loss(logits, 2, "softmax", fused=False)
@@ -224,3 +303,9 @@ def test_router_fusion_is_dropped_only_while_compiling(fresh_dynamo):
         assert breaks(fresh_dynamo) == 0
     finally:
         patches.revert(names)
+
+
+def test_skipping_a_patch_compilation_needs_names_the_skip(monkeypatch):
+    monkeypatch.setenv(patches.SKIP_ENV, "compile.moe_dispatch_eager")
+    with pytest.raises(patches.PatchsetError, match="MEGATRON_PATCHSET_SKIP_PATCHES leaves out compile.moe_dispatch_eager"):
+        ps_compile.compile_transformer_layers([torch.nn.Linear(1, 1)], ps_compile.CompileOptions())
