@@ -19,6 +19,11 @@ What it does, and why this way:
   dynamic shape of all dispatchers; router, permutation 1 and unpermutation stay compiled. Two
   further patches make the aux-loss scaler's backward traceable and keep the local spec's
   tensor-parallel group look-up free of a rank-0-only warning. See :data:`EAGER_REGIONS`.
+* **TE kernels as torch code while tracing.** TE's norms, fused RoPE, the router's gating GEMM
+  and the fused router's kernels are pybind calls, a graph break each; inside the compiled layers
+  (only there, only while dynamo traces) they run as torch code computing the same thing, which
+  inductor fuses (``compile.*_traceable``; off with ``--compile-transformer-layers-te-kernels``).
+  What still breaks a layer is TE's attention and linear modules and the MoE layer's eager middle.
 * **No silent eager fallback, no recompiles after warm-up.** Dynamo's recompile limit is a hard
   error (``fail_on_recompile_limit_hit``); per-layer integer attributes are not specialised
   (``allow_unspec_int_on_nn_module``), so all layers share one compiled variant. After
