@@ -23,6 +23,9 @@ barrier across ranks: the last rank's time), which also times a full-iteration C
 (``--cuda-graph-impl full_iteration``). It writes ``bench.json`` and ``bench.png`` (step
 time, MFU, memory and loss curves) into ``--out``.
 
+``--repeat N`` runs the variants N times, every second time in mirrored order (ABC CBA ...), and
+prints a second table pooling each variant's repeats, for configs whose step time drifts during a
+run (a single order would hand the drift to the later variants).
 Leading ``NAME=VALUE`` tokens of a variant are environment variables of that variant only
 (``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=compile.te_norm_traceable --compile-transformer-layers"``).
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
@@ -68,7 +71,10 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def split_env(flags: list[str]) -> tuple[dict, list[str]]:
-    """Leading ``NAME=VALUE`` tokens of a variant (upper-case names) are environment variables
+    """``--repeat N`` runs the variants N times, every second time in mirrored order (ABC CBA ...), and
+prints a second table pooling each variant's repeats, for configs whose step time drifts during a
+run (a single order would hand the drift to the later variants).
+Leading ``NAME=VALUE`` tokens of a variant (upper-case names) are environment variables
     for that variant only, e.g. ``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=x --flag"``."""
     env = {}
     rest = list(flags)
@@ -154,11 +160,13 @@ def summarize(records: list[dict], warmup: int, peak_tflops: Optional[float],
         "losses": losses,
         "grad_norms": [r.get("grad_norm") for r in iters],
         "step_ms_series": [None if r.get("time_s") is None else r["time_s"] * 1e3 for r in iters],
+        "timed_step_ms": [r["time_s"] * 1e3 for r in timed],
     }
     fwd_bwd = [r["fwd_bwd_s"] for r in timed if r.get("fwd_bwd_s")]
     if fwd_bwd:  # megatron's forward-backward timer (--timing-log-level 1): no optimizer
         median = statistics.median(fwd_bwd)
         result["fwd_bwd_ms"] = median * 1e3
+        result["timed_fwd_bwd_ms"] = [t * 1e3 for t in fwd_bwd]
         result["fwd_bwd_mfu"] = tflops_at(median) / peak_tflops if peak_tflops else None
     return result
 
@@ -289,6 +297,69 @@ def format_profile_table(rows: list[dict]) -> str:
     return profiling.markdown_table(table)
 
 
+REPEAT_MARK = "#"
+
+
+def run_order(variants: list, repeat: int) -> list[tuple[str, str, list]]:
+    """(label, name, flags) in the order to run: the variants, then again in mirrored order
+    (ABC CBA ABC ...), so that a drift over the run falls alike on every variant when the
+    repeats are pooled. Labels get ``#k`` from the second repeat on only when repeat > 1."""
+    order = []
+    for k in range(repeat):
+        for name, flags in (variants if k % 2 == 0 else variants[::-1]):
+            order.append((name if repeat == 1 else f"{name}{REPEAT_MARK}{k + 1}", name, flags))
+    return order
+
+
+def pooled_rows(rows: list[dict]) -> list[dict]:
+    """Per variant (and sweep value), every repeat's timed iterations together: the median over
+    all of them, and each repeat's own median."""
+    groups: dict = {}
+    for r in rows:
+        base = r["variant"].split(REPEAT_MARK)[0]
+        groups.setdefault((base, r.get("sweep_value")), []).append(r)
+    pooled = []
+    for (base, value), members in groups.items():
+        ok = [m for m in members if not m.get("error") and m.get("timed_step_ms")]
+        row = {"variant": base, "sweep_value": value, "runs": len(ok), "failed": len(members) - len(ok)}
+        if ok:
+            row["step_ms"] = statistics.median(t for m in ok for t in m["timed_step_ms"])
+            row["step_ms_per_run"] = [m["step_ms"] for m in ok]
+            fwd = [t for m in ok for t in m.get("timed_fwd_bwd_ms", [])]
+            if fwd:
+                row["fwd_bwd_ms"] = statistics.median(fwd)
+                row["fwd_bwd_ms_per_run"] = [m.get("fwd_bwd_ms") for m in ok]
+        pooled.append(row)
+    return pooled
+
+
+def format_pooled_table(pooled: list[dict]) -> str:
+    """The pooled medians; speed-ups against the first variant of the same sweep value."""
+    fwd_bwd = any(r.get("fwd_bwd_ms") for r in pooled)
+    head = ["variant", "runs", "step ms (pooled)", "per run", "speed-up"]
+    if fwd_bwd:
+        head += ["fwd+bwd ms (pooled)", "per run", "fwd+bwd speed-up"]
+    table = [head]
+    firsts: dict = {}
+    for r in pooled:
+        firsts.setdefault(r.get("sweep_value"), r)
+    for r in pooled:
+        first = firsts[r.get("sweep_value")]
+        if not r.get("step_ms"):
+            table.append([r["variant"], f"{r['runs']} ({r['failed']} failed)"] + ["-"] * (len(head) - 2))
+            continue
+        runs = str(r["runs"]) + (f" ({r['failed']} failed)" if r["failed"] else "")
+        row = [r["variant"], runs, f"{r['step_ms']:.1f}", " / ".join(f"{t:.1f}" for t in r["step_ms_per_run"]),
+               f"{first['step_ms'] / r['step_ms']:.2f}x" if first.get("step_ms") else "-"]
+        if fwd_bwd:
+            ok = r.get("fwd_bwd_ms") and first.get("fwd_bwd_ms")
+            row += [f"{r['fwd_bwd_ms']:.1f}" if r.get("fwd_bwd_ms") else "-",
+                    " / ".join(f"{t:.1f}" for t in r.get("fwd_bwd_ms_per_run", []) if t) or "-",
+                    f"{first['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ok else "-"]
+        table.append(row)
+    return profiling.markdown_table(table)
+
+
 def is_upstream(name: str, flags: list) -> bool:
     """'upstream' alone, or any variant named 'upstream-...' (with upstream flags), runs unpatched."""
     return (name == "upstream" and not flags) or name.startswith("upstream-")
@@ -376,6 +447,10 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun --nproc-per-node). Default: 1.")
     p.add_argument("--iters", type=int, default=30, help="training iterations per variant. Default: 30.")
     p.add_argument("--warmup", type=int, default=10, help="iterations excluded from timing. Default: 10.")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the variants this many times, every second time in mirrored order (ABC CBA "
+                        "...), and print a second table pooling the repeats: for configs whose step time "
+                        "drifts during a run. Rows are named NAME#k. Default: 1.")
     p.add_argument("--set", action="append", type=parse_assignment, default=[],
                    help="FLAG=VALUE config override for every variant (repeatable).")
     p.add_argument("--sweep", type=parse_assignment, default=None,
@@ -409,6 +484,8 @@ def main(argv=None) -> int:
         base_argv = argsfile.override(base_argv, flag, *values)
     base_argv = argsfile.override(base_argv, "--train-iters", str(opts.iters))
     base_argv = argsfile.override(base_argv, "--log-interval", "1")
+    if opts.repeat < 1:
+        p.error("--repeat must be at least 1")
     if opts.warmup >= opts.iters:
         p.error("--warmup must be smaller than --iters")
     if opts.profile_iteration is not None and not opts.warmup < opts.profile_iteration <= opts.iters:
@@ -424,8 +501,8 @@ def main(argv=None) -> int:
     rows = []
     started = time.time()
     for value in sweep_values:
-        for name, flags in variants:
-            label = name if value is None else f"{name} {sweep_flag[2:]}={value}"
+        for label, name, flags in run_order(variants, opts.repeat):
+            label = label if value is None else f"{label} {sweep_flag[2:]}={value}"
             argv = base_argv if value is None else argsfile.override(base_argv, sweep_flag, value)
             env, flags = split_env(flags)
             if is_upstream(name, flags):
@@ -478,8 +555,12 @@ def main(argv=None) -> int:
         "peak_tflops": peak,
         "facts": facts,
         "wall_s": time.time() - started,
+        "repeat": opts.repeat,
         "variants": rows,
     }
+    pooled = pooled_rows(rows) if opts.repeat > 1 else None
+    if pooled is not None:
+        result["pooled"] = pooled
     with open(os.path.join(opts.out, "bench.json"), "w") as handle:
         json.dump(result, handle, indent=1)
     chart = plot(rows, os.path.join(opts.out, "bench.png"), title)
@@ -488,6 +569,11 @@ def main(argv=None) -> int:
           f"transformer-engine {facts.get('transformer_engine')}; {opts.iters} iterations, "
           f"median of the last {opts.iters - opts.warmup}")
     print(format_table(rows, peak))
+    if pooled is not None:
+        print()
+        print(f"pooled over {opts.repeat} repeats in mirrored order (ABC CBA ...): median of every "
+              f"repeat's timed iterations, each repeat's own median, speed-up against the first variant")
+        print(format_pooled_table(pooled))
     if opts.profile_iteration is not None:
         print()
         print(f"torch.profiler, iteration {opts.profile_iteration}, mean over ranks: pipeline P2P kernel time "

@@ -329,3 +329,64 @@ def test_variant_env_tokens():
     assert rest == ["--flag", "--num-layers", "2"]
     # Only leading upper-case tokens: a flag value with "=" stays a flag value.
     assert bench.split_env(["--set", "A=1"]) == ({}, ["--set", "A=1"])
+
+
+def test_repeat_runs_in_mirrored_order_and_pools_the_repeats():
+    variants = [("eager", []), ("compiled", ["--compile-transformer-layers"])]
+    assert bench.run_order(variants, 1) == [("eager", "eager", []), ("compiled", "compiled", ["--compile-transformer-layers"])]
+    assert [label for label, *_ in bench.run_order(variants, 3)] == [
+        "eager#1", "compiled#1", "compiled#2", "eager#2", "eager#3", "compiled#3"]
+
+    def row(label, times, fwd=None, error=None):
+        if error:
+            return {"variant": label, "sweep_value": None, "error": error}
+        r = {"variant": label, "sweep_value": None, "step_ms": sorted(times)[len(times) // 2], "timed_step_ms": times}
+        if fwd:
+            r.update(fwd_bwd_ms=sorted(fwd)[len(fwd) // 2], timed_fwd_bwd_ms=fwd)
+        return r
+
+    rows = [row("eager#1", [100, 110, 120], [80, 90, 100]), row("compiled#1", [90, 95, 100], [70, 75, 80]),
+            row("compiled#2", [130, 140, 150], [110, 115, 120]), row("eager#2", [150, 160, 170], [130, 140, 150]),
+            row("other#1", [], error="exit code 1")]
+    pooled = {r["variant"]: r for r in bench.pooled_rows(rows)}
+    assert pooled["eager"]["runs"] == 2 and pooled["eager"]["step_ms"] == 135.0  # median of all six
+    assert pooled["eager"]["step_ms_per_run"] == [110, 160]
+    assert pooled["compiled"]["step_ms"] == 115.0 and pooled["compiled"]["fwd_bwd_ms"] == 95.0
+    assert pooled["other"]["runs"] == 0 and pooled["other"]["failed"] == 1
+    text = bench.format_pooled_table(bench.pooled_rows(rows))
+    line = next(l for l in text.splitlines() if l.startswith("| compiled"))
+    assert "1.17x" in line and "95.0 / 140.0" in line  # 135 / 115; each repeat's own median
+    assert "0 (1 failed)" in text
+
+
+def test_summarize_keeps_the_timed_series():
+    recs = records([1.0, 2.0, 3.0, 4.0], [5, 4, 3, 2])
+    for r, t in zip(recs, [0.5, 0.6, 0.7, 0.8]):
+        r["fwd_bwd_s"] = t
+    out = bench.summarize(recs, warmup=1, peak_tflops=None)
+    assert out["timed_step_ms"] == [2000.0, 3000.0, 4000.0]
+    assert out["timed_fwd_bwd_ms"] == pytest.approx([600.0, 700.0, 800.0])
+
+
+def test_repeat_end_to_end_with_report_only(tmp_path, capsys, monkeypatch):
+    def write(name, times):
+        with open(tmp_path / f"{name}.jsonl", "w") as handle:
+            for rec in records(times, [3.0] * len(times), world=1):
+                handle.write(json.dumps(rec) + "\n")
+
+    # A drift: every later run is slower. Single-order rows would favour whoever ran first.
+    write("a#1", [None, 1.0, 1.0, 1.0])
+    write("b#1", [None, 1.1, 1.1, 1.1])
+    write("b#2", [None, 1.2, 1.2, 1.2])
+    write("a#2", [None, 1.3, 1.3, 1.3])
+    monkeypatch.setattr(bench, "run_variant", lambda *a, **k: pytest.fail("--report-only must run nothing"))
+    code = bench.main(["--config", TINY, "--iters", "4", "--warmup", "1", "--out", str(tmp_path), "--repeat", "2",
+                       "--report-only", "--peak-tflops", "790", "--variant", "a=", "--variant", "b=--foo"])
+    out = capsys.readouterr().out
+    assert code == 0 and "pooled over 2 repeats" in out
+    saved = json.load(open(tmp_path / "bench.json"))
+    assert [v["variant"] for v in saved["variants"]] == ["a#1", "b#1", "b#2", "a#2"]
+    pooled = {p["variant"]: p for p in saved["pooled"]}
+    assert pooled["a"]["step_ms"] == pytest.approx(1150.0) and pooled["b"]["step_ms"] == pytest.approx(1150.0)
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--iters", "4", "--warmup", "1", "--repeat", "0", "--variant", "a="])
