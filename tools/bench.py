@@ -71,10 +71,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def split_env(flags: list[str]) -> tuple[dict, list[str]]:
-    """``--repeat N`` runs the variants N times, every second time in mirrored order (ABC CBA ...), and
-prints a second table pooling each variant's repeats, for configs whose step time drifts during a
-run (a single order would hand the drift to the later variants).
-Leading ``NAME=VALUE`` tokens of a variant (upper-case names) are environment variables
+    """Leading ``NAME=VALUE`` tokens of a variant (upper-case names) are environment variables
     for that variant only, e.g. ``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=x --flag"``."""
     env = {}
     rest = list(flags)
@@ -303,7 +300,7 @@ REPEAT_MARK = "#"
 def run_order(variants: list, repeat: int) -> list[tuple[str, str, list]]:
     """(label, name, flags) in the order to run: the variants, then again in mirrored order
     (ABC CBA ABC ...), so that a drift over the run falls alike on every variant when the
-    repeats are pooled. Labels get ``#k`` from the second repeat on only when repeat > 1."""
+    repeats are pooled. With repeat > 1 every label gets its repeat number, ``NAME#k``."""
     order = []
     for k in range(repeat):
         for name, flags in (variants if k % 2 == 0 else variants[::-1]):
@@ -333,6 +330,14 @@ def pooled_rows(rows: list[dict]) -> list[dict]:
     return pooled
 
 
+def first_per_sweep(rows: list[dict]) -> dict:
+    """The first row of each sweep value: what that value's speed-ups are measured against."""
+    firsts: dict = {}
+    for r in rows:
+        firsts.setdefault(r.get("sweep_value"), r)
+    return firsts
+
+
 def format_pooled_table(pooled: list[dict]) -> str:
     """The pooled medians; speed-ups against the first variant of the same sweep value."""
     fwd_bwd = any(r.get("fwd_bwd_ms") for r in pooled)
@@ -340,9 +345,7 @@ def format_pooled_table(pooled: list[dict]) -> str:
     if fwd_bwd:
         head += ["fwd+bwd ms (pooled)", "per run", "fwd+bwd speed-up"]
     table = [head]
-    firsts: dict = {}
-    for r in pooled:
-        firsts.setdefault(r.get("sweep_value"), r)
+    firsts = first_per_sweep(pooled)
     for r in pooled:
         first = firsts[r.get("sweep_value")]
         if not r.get("step_ms"):
@@ -374,9 +377,7 @@ def format_table(rows: list[dict], peak: Optional[float]) -> str:
     if fwd_bwd:
         head[2:2] = ["fwd+bwd ms", "fwd+bwd MFU", "fwd+bwd speed-up"]
     table = [head]
-    firsts: dict = {}
-    for r in rows:
-        firsts.setdefault(r.get("sweep_value"), r)
+    firsts = first_per_sweep(rows)
     for r in rows:
         first = firsts[r.get("sweep_value")]
         base = first.get("step_ms")  # None when the first variant failed

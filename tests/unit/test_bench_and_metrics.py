@@ -102,14 +102,16 @@ def test_profile_iteration_must_follow_the_warm_up():
             bench.main(["--config", TINY, "--iters", "10", "--warmup", "3", *bad])
 
 
-def test_report_only_rebuilds_the_table_from_an_earlier_out_folder(tmp_path, capsys, monkeypatch):
-    def write(name, times):
-        with open(tmp_path / f"{name}.jsonl", "w") as handle:
-            for rec in records(times, [3.0] * len(times), world=1):
-                handle.write(json.dumps(rec) + "\n")
+def write_metrics(folder, name, times):
+    """A variant's metrics file in an --out folder, as a finished run leaves it."""
+    with open(folder / f"{name}.jsonl", "w") as handle:
+        for rec in records(times, [3.0] * len(times), world=1):
+            handle.write(json.dumps(rec) + "\n")
 
-    write("eager", [None, 1.0, 1.0, 1.0])
-    write("fast+scope", [None, 0.5, 0.5, 0.5])  # '+' kept, as in run names
+
+def test_report_only_rebuilds_the_table_from_an_earlier_out_folder(tmp_path, capsys, monkeypatch):
+    write_metrics(tmp_path, "eager", [None, 1.0, 1.0, 1.0])
+    write_metrics(tmp_path, "fast+scope", [None, 0.5, 0.5, 0.5])  # '+' kept, as in run names
     monkeypatch.setattr(bench, "run_variant", lambda *a, **k: pytest.fail("--report-only must run nothing"))
     code = bench.main(["--config", TINY, "--iters", "4", "--warmup", "1", "--out", str(tmp_path),
                        "--report-only", "--peak-tflops", "790", "--variant", "eager=",
@@ -369,16 +371,11 @@ def test_summarize_keeps_the_timed_series():
 
 
 def test_repeat_end_to_end_with_report_only(tmp_path, capsys, monkeypatch):
-    def write(name, times):
-        with open(tmp_path / f"{name}.jsonl", "w") as handle:
-            for rec in records(times, [3.0] * len(times), world=1):
-                handle.write(json.dumps(rec) + "\n")
-
     # A drift: every later run is slower. Single-order rows would favour whoever ran first.
-    write("a#1", [None, 1.0, 1.0, 1.0])
-    write("b#1", [None, 1.1, 1.1, 1.1])
-    write("b#2", [None, 1.2, 1.2, 1.2])
-    write("a#2", [None, 1.3, 1.3, 1.3])
+    write_metrics(tmp_path, "a#1", [None, 1.0, 1.0, 1.0])
+    write_metrics(tmp_path, "b#1", [None, 1.1, 1.1, 1.1])
+    write_metrics(tmp_path, "b#2", [None, 1.2, 1.2, 1.2])
+    write_metrics(tmp_path, "a#2", [None, 1.3, 1.3, 1.3])
     monkeypatch.setattr(bench, "run_variant", lambda *a, **k: pytest.fail("--report-only must run nothing"))
     code = bench.main(["--config", TINY, "--iters", "4", "--warmup", "1", "--out", str(tmp_path), "--repeat", "2",
                        "--report-only", "--peak-tflops", "790", "--variant", "a=", "--variant", "b=--foo"])
