@@ -70,6 +70,11 @@ def enabled_features(args: argparse.Namespace) -> list[Feature]:
     return [f for f in FEATURES if f.enabled(args)]
 
 
+def listed(lead: str, problems: list[str]) -> Optional[str]:
+    """A rule's message: ``lead`` and the problems, "; "-separated; None when there are none."""
+    return f"{lead}{'; '.join(problems)}." if problems else None
+
+
 def rule(name: str, *, phase: str, flags: tuple[str, ...]) -> Callable:
     """Decorator adding a validation rule to :data:`RULES`."""
     if phase not in PHASES:
@@ -760,12 +765,10 @@ def _fsdp_cuda_graphs_double_buffer(args, config):
             "buffer, e.g. a dense or MTP layer next to MoE layers, falls back to a dynamic buffer during replay: "
             "an illegal memory access)"
         )
-    if problems:
-        return (
-            "TransformerEngine per-layer CUDA graphs (--cuda-graph-impl transformer_engine) with --use-megatron-fsdp "
-            "replay at the parameter-buffer addresses seen at capture, so they need: " + "; ".join(problems) + "."
-        )
-    return None
+    return listed(
+        "TransformerEngine per-layer CUDA graphs (--cuda-graph-impl transformer_engine) with --use-megatron-fsdp "
+        "replay at the parameter-buffer addresses seen at capture, so they need: ", problems
+    )
 
 
 @rule(
@@ -816,12 +819,7 @@ def _fsdp_cuda_graphs_supported(args, config):
             "--cuda-graph-warmup-steps 0 (capture must follow at least one eager step, so that FSDP's buffers "
             "exist before TE records their addresses)"
         )
-    if problems:
-        return (
-            "TransformerEngine per-layer CUDA graphs with --use-megatron-fsdp do not support: "
-            + "; ".join(problems) + "."
-        )
-    return None
+    return listed("TransformerEngine per-layer CUDA graphs with --use-megatron-fsdp do not support: ", problems)
 
 
 FEATURES.append(
@@ -877,7 +875,7 @@ def _compile_options(args):
             f"{_compile.WARMUP_FLAG} {args.compile_transformer_layers_warmup_iters} (at least 1: the first "
             f"iteration compiles)"
         )
-    return "; ".join(problems) + "." if problems else None
+    return listed("", problems)
 
 
 @rule(
@@ -900,9 +898,7 @@ def _compile_not_graphed(args):
             "--overlap-moe-expert-parallel-comm (its schedule plan calls the layers' attention and MLP "
             "parts directly, so the compiled forward would never run)"
         )
-    if problems:
-        return f"{_compile.FLAG} cannot be combined with: " + "; ".join(problems) + "."
-    return None
+    return listed(f"{_compile.FLAG} cannot be combined with: ", problems)
 
 
 @rule(
@@ -930,9 +926,7 @@ def _compile_hooks(args):
             "--nvtx-ranges (the ranges inspect Python frames inside the layer, and switching them on at "
             "--profile-step-start recompiles every layer after warm-up)"
         )
-    if problems:
-        return f"{_compile.FLAG} cannot be combined with: " + "; ".join(problems) + "."
-    return None
+    return listed(f"{_compile.FLAG} cannot be combined with: ", problems)
 
 
 @rule(
@@ -1113,9 +1107,7 @@ def _paged_stash_requirements(args):
             f"--offload-modules without {', '.join(conflict)} (paged stashing already covers the "
             f"expert activations; megatron refuses both)"
         )
-    if problems:
-        return "--moe-paged-stash needs " + "; ".join(problems) + "."
-    return None
+    return listed("--moe-paged-stash needs ", problems)
 
 
 @rule(
@@ -1140,9 +1132,7 @@ def _rank_capacity_factor_backend(args):
         problems.append(f"--moe-flex-dispatcher-backend hybridep or ncclep (got {backend})")
     if backend == "hybridep" and not getattr(args, "use_transformer_engine_op_fuser", False):
         problems.append("--use-transformer-engine-op-fuser with hybridep (megatron refuses the budget without it)")
-    if problems:
-        return f"--moe-expert-rank-capacity-factor {factor} needs " + "; ".join(problems) + "."
-    return None
+    return listed(f"--moe-expert-rank-capacity-factor {factor} needs ", problems)
 
 
 @rule(
@@ -1168,9 +1158,7 @@ def _ncclep_static_shape(args):
     if static and not (getattr(args, "use_transformer_engine_op_fuser", False) and args.moe_grouped_gemm):
         problems.append("--use-transformer-engine-op-fuser and --moe-grouped-gemm (the experts must take "
                         "device-side per-expert counts over a static buffer; megatron refuses it otherwise)")
-    if problems:
-        return f"{flag} needs " + "; ".join(problems) + "."
-    return None
+    return listed(f"{flag} needs ", problems)
 
 
 @rule(
@@ -1242,12 +1230,10 @@ def _paged_stash_op_fuser(args):
         )
     if "moe_act" in (getattr(args, "recompute_modules", None) or []):
         problems.append("no moe_act in --recompute-modules (TE's op-fuser activation recomputes only in its Blackwell fused kernel)")
-    if problems:
-        return (
-            "--moe-paged-stash / --moe-expert-rank-capacity-factor run the experts through TE's op fuser "
-            "(--use-transformer-engine-op-fuser), which needs: " + "; ".join(problems) + "."
-        )
-    return None
+    return listed(
+        "--moe-paged-stash / --moe-expert-rank-capacity-factor run the experts through TE's op fuser "
+        "(--use-transformer-engine-op-fuser), which needs: ", problems
+    )
 
 
 @rule("paged-stash-precision", phase="layout", flags=("--moe-paged-stash", "--fp8-format", "--fp4-format"))
@@ -1334,9 +1320,7 @@ def _paged_stash_cuda_graphs(args):
                 f"--cuda-graph-warmup-steps 2 or more (got {args.cuda_graph_warmup_steps}): paged stashing "
                 f"measures in step 1 and allocates its buffers in step 2, which must not be captured"
             )
-    if problems:
-        return f"{what} with CUDA graphs: " + "; ".join(problems) + "."
-    return None
+    return listed(f"{what} with CUDA graphs: ", problems)
 
 
 @rule(
@@ -1361,9 +1345,7 @@ def _paged_stash_buffer_sizes(args):
             f"{cpu}: no stash pages at all, so every step would overflow and be re-run without paging. Size "
             f"the GPU stash relative to the expected tokens (default 1.1), or give host pages (e.g. -cpu 1.0)"
         )
-    if problems:
-        return "; ".join(problems) + "."
-    return None
+    return listed("", problems)
 
 
 FEATURES.append(
@@ -1436,9 +1418,7 @@ def _grouped_gemm_impl_torch(args):
             "moe_preprocess): megatron captures the MoE layer per layer only with drop-and-pad; to capture "
             f"the experts too use {_experts.SPLITS_FLAG} with --cuda-graph-impl full_iteration"
         )
-    if problems:
-        return f"{_experts.FLAG} torch needs: " + "; ".join(problems) + "."
-    return None
+    return listed(f"{_experts.FLAG} torch needs: ", problems)
 
 
 @rule(
@@ -1510,9 +1490,7 @@ def _expert_splits_on_device(args):
             "no per-layer CUDA graphs over the MoE router or preprocessing (megatron copies the graph's token "
             "counts to the host after each replay anyway); use --cuda-graph-impl full_iteration or no graphs"
         )
-    if problems:
-        return f"{_experts.SPLITS_FLAG} needs: " + "; ".join(problems) + "."
-    return None
+    return listed(f"{_experts.SPLITS_FLAG} needs: ", problems)
 
 
 @rule(
