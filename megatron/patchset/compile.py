@@ -23,7 +23,10 @@ What it does, and why this way:
   and the fused router's kernels are pybind calls, a graph break each; inside the compiled layers
   (only there, only while dynamo traces) they run as torch code computing the same thing, which
   inductor fuses (``compile.*_traceable``; off with ``--compile-transformer-layers-te-kernels``).
-  What still breaks a layer is TE's attention and linear modules and the MoE layer's eager middle.
+  In plain bf16 on one tensor-parallel rank the same holds for the TE spec's attention block: the
+  QKV ``LayerNormLinear`` and output ``Linear`` run as the norm and ``F.linear``, TE's
+  ``DotProductAttention`` as ``F.scaled_dot_product_attention`` (``compile.te_*_traceable``,
+  :data:`ATTENTION_BLOCK_PATCHES`). What still breaks a layer is the MoE layer's eager middle.
 * **No silent eager fallback, no recompiles after warm-up.** Dynamo's recompile limit is a hard
   error (``fail_on_recompile_limit_hit``); per-layer integer attributes are not specialised
   (``allow_unspec_int_on_nn_module``), so all layers share one compiled variant. After
@@ -541,13 +544,199 @@ def _te_norm_factory(original):
     return TENorm
 
 
+# ---------------------------------------------------------------------------------------
+# The TE spec's attention block as torch code while compiling
+# ---------------------------------------------------------------------------------------
+# megatron's TE wrappers (QKV ``LayerNormLinear``, output ``Linear``, ``DotProductAttention``)
+# call TE forwards that TE wraps in ``torch.compiler.disable``. Each is a graph break, and since
+# it sits three calls deep (layer -> attention -> linear), dynamo splits every enclosing frame
+# there: the profile at 1x4096 showed the compiled attention block costing as much host time as
+# the eager one. In the plain bf16 case -- one tensor-parallel rank, no FP8/FP4, no TE weight-grad
+# fusion or delay, no parameter splits -- these modules compute a norm, a GEMM and a causal
+# softmax attention, which torch ops give as well: while dynamo traces a compiled layer, the
+# subclasses below run them as ``traceable_norm`` + ``F.linear`` and
+# ``F.scaled_dot_product_attention``. Anything else (and every eager call) goes to TE.
+
+_TE_EXT = "megatron.core.extensions.transformer_engine_spec_provider"
+
+
+def te_attention_block_substitutes(args: Any) -> bool:
+    return traceable_substitutes(args) and getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+
+
+def plain_bf16_linear(module) -> bool:
+    """``module`` (a megatron TE linear) is a single-rank, unquantised GEMM whose weight gradient
+    TE would return as ``.grad`` (no fused accumulation into ``main_grad``, no delayed wgrad)."""
+    config = getattr(module, "config", None)
+    return (getattr(module, "tp_size", 1) == 1
+            and not getattr(module, "fuse_wgrad_accumulation", False)
+            and list(getattr(module, "weight_names", ["weight"])) == ["weight"]
+            and getattr(module, "te_quant_params", None) is None
+            and getattr(config, "fp8", None) is None and getattr(config, "fp4", None) is None
+            and not getattr(config, "delay_wgrad_compute", False)
+            and getattr(module.weight, "gtp_remat_size", None) is None
+            and not getattr(module, "return_layernorm_output", False))
+
+
+def _bias_of(module):
+    """(bias added in the GEMM, bias returned to the caller): TE's ``return_bias`` contract."""
+    bias = getattr(module, "bias", None)
+    if not getattr(module, "use_bias", False) or bias is None or bias.numel() == 0:
+        return None, None
+    return (None, bias) if getattr(module, "te_return_bias", False) else (bias, None)
+
+
+def traceable_linear(module, x):
+    """megatron's ``TELinear.forward`` in torch ops: ``(x W^T [+ b], returned bias)``."""
+    import torch
+
+    added, returned = _bias_of(module)
+    return torch.nn.functional.linear(x, module.weight, added), returned
+
+
+def traceable_layernorm_linear(module, x):
+    """megatron's ``TELayerNormColumnParallelLinear.forward`` in torch ops: the norm as TE
+    computes it (:func:`traceable_norm`), then the GEMM."""
+    import torch
+
+    normed = traceable_norm(x, module.layer_norm_weight, getattr(module, "layer_norm_bias", None),
+                            float(module.eps), bool(module.zero_centered_gamma),
+                            module.normalization == "RMSNorm")
+    added, returned = _bias_of(module)
+    return torch.nn.functional.linear(normed, module.weight, added), returned
+
+
+def _te_class(original, name: str) -> type:
+    if not isinstance(original, type):
+        raise PatchsetError(
+            f"{FLAG}: megatron's {name} is {original!r} here, not a class: TransformerEngine is not "
+            f"installed (run with {TE_KERNELS_FLAG}, or --transformer-impl local)")
+    return original
+
+
+def _linear_factory(traceable: Callable, name: str) -> Callable:
+    def factory(original):
+        original = _te_class(original, name)
+
+        class Substitute(original):
+            """Upstream's TE linear; traced as torch ops inside a compiled layer (plain bf16 only)."""
+
+            def forward(self, x, *args, **kwargs):
+                if not args and not kwargs and _tracing() and plain_bf16_linear(self):
+                    return traceable(self, x)
+                return super().forward(x, *args, **kwargs)
+
+        Substitute.__qualname__ = Substitute.__name__ = original.__name__
+        Substitute.__module__ = original.__module__
+        return Substitute
+
+    return factory
+
+
+_LINEAR_SUBSTITUTES = {
+    "compile.te_layernorm_linear_traceable": (
+        "TELayerNormColumnParallelLinear", traceable_layernorm_linear,
+        "the fused input norm + QKV GEMM is TE's LayerNormLinear, whose forward TE wraps in "
+        "torch.compiler.disable (a graph break in every enclosing frame): while compiling, in "
+        "plain bf16 on one TP rank, the same norm and GEMM in torch ops"),
+    "compile.te_row_linear_traceable": (
+        "TERowParallelLinear", traceable_linear,
+        "the attention output projection is TE's Linear (compile-disabled by TE, a graph break "
+        "in every enclosing frame): while compiling, in plain bf16 on one TP rank, F.linear"),
+    "compile.te_column_linear_traceable": (
+        "TEColumnParallelLinear", traceable_linear,
+        "TE's column-parallel Linear (unfused-norm QKV, MLA projections) is compile-disabled by "
+        "TE: while compiling, in plain bf16 on one TP rank, F.linear"),
+    "compile.te_linear_traceable": (
+        "TELinear", traceable_linear,
+        "TE's duplicated Linear (MLA down-projections) is compile-disabled by TE: while "
+        "compiling, in plain bf16, F.linear"),
+}
+
+for _name, (_cls, _traceable, _reason) in _LINEAR_SUBSTITUTES.items():
+    compile_patch(_name, f"{_TE_EXT}.{_cls}", _reason, enabled=te_attention_block_substitutes)(
+        _linear_factory(_traceable, _cls))
+
+
+def sdpa_eligible(module, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                  packed_seq_params=None, num_splits=None) -> bool:
+    """TE's ``DotProductAttention`` call is plain causal (or unmasked) softmax attention in sbhd
+    layout, one context-parallel rank, no dropout in training, no window, bias, packing, FP8,
+    softmax variants or max-logit output: what ``F.scaled_dot_product_attention`` computes."""
+    config = getattr(module, "config", None)
+    cp_group = getattr(module, "cp_group", None)
+    mask = getattr(attn_mask_type, "name", attn_mask_type)
+    window = getattr(module, "window_size", None)
+    return (getattr(module, "qkv_format", "sbhd") == "sbhd"
+            and packed_seq_params is None and attention_bias is None and num_splits is None
+            and getattr(module, "num_splits", None) is None
+            and (mask == "causal" or (mask == "no_mask" and attention_mask is None))
+            and window in (None, (-1, 0), (-1, -1))
+            and (not module.training or float(getattr(module, "attention_dropout", 0.0)) == 0.0)
+            and getattr(module, "softmax_type", "vanilla") == "vanilla"
+            and not getattr(module, "softcap", None)
+            and not getattr(module, "return_max_logit", False)
+            and not getattr(module, "deterministic", False)
+            and (cp_group is None or cp_group.size() == 1)
+            and getattr(config, "fp8", None) is None and getattr(config, "fp4", None) is None
+            and not getattr(config, "qk_clip", False)
+            and not getattr(config, "log_max_attention_logit", False)
+            and query.dim() == 4 and query.shape[0] == key.shape[0]
+            and query.shape[-1] == value.shape[-1] and key.shape[2] == value.shape[2]
+            and query.shape[2] % key.shape[2] == 0)
+
+
+def traceable_attention(query, key, value, causal: bool, scale: float):
+    """TE's sbhd attention output ``[s, b, heads * dim]`` through SDPA (grouped-query heads
+    without copies: ``enable_gqa``)."""
+    import torch
+
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    s, b = query.shape[0], query.shape[1]
+    return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+@compile_patch(
+    "compile.te_attention_traceable",
+    f"{_TE_EXT}.TEDotProductAttention",
+    "TE's DotProductAttention forward is compile-disabled by TE (a graph break in every "
+    "enclosing frame): while compiling, plain causal bf16 attention (no dropout, window, "
+    "packing, CP or FP8) as F.scaled_dot_product_attention",
+    enabled=te_attention_block_substitutes,
+)
+def _te_attention_factory(original):
+    original = _te_class(original, "TEDotProductAttention")
+
+    class TEDotProductAttention(original):
+        """Upstream's TE attention; traced as SDPA inside a compiled layer (plain cases only)."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                    packed_seq_params=None, num_splits=None):
+            if _tracing() and sdpa_eligible(self, query, key, value, attention_mask, attn_mask_type,
+                                            attention_bias, packed_seq_params, num_splits):
+                return traceable_attention(query, key, value,
+                                           getattr(attn_mask_type, "name", attn_mask_type) == "causal",
+                                           float(self.softmax_scale))
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+                                   num_splits=num_splits)
+
+    TEDotProductAttention.__qualname__ = TEDotProductAttention.__name__ = original.__name__
+    TEDotProductAttention.__module__ = original.__module__
+    return TEDotProductAttention
+
+
 # Applied with every compilation unless --compile-transformer-layers-te-kernels (the router
-# fusion ones only with --moe-router-fusion: they are all ``compile.router_*_traceable``).
+# fusion ones only with --moe-router-fusion: they are all ``compile.router_*_traceable``; the
+# attention block ones only with the TE spec, ATTENTION_BLOCK_PATCHES).
 TRACEABLE_PATCHES = (
     "compile.router_gating_traceable",
     "compile.rope_traceable",
     "compile.te_norm_traceable",
 )
+ATTENTION_BLOCK_PATCHES = tuple(_LINEAR_SUBSTITUTES) + ("compile.te_attention_traceable",)
 
 
 PATCH_NAMES = tuple(EAGER_REGIONS) + (
@@ -762,6 +951,10 @@ def traceable_norm_count(model_chunks: list) -> int:
                if getattr(module, "__megatron_patchset_rms__", None) is not None)
 
 
+def _attention_block_applied() -> bool:
+    return any(name in applied() for name in ATTENTION_BLOCK_PATCHES)
+
+
 def pre_wrap_hook(args: Any) -> Callable[[list], list]:
     """The model hook for ``GPTModelConfig.pre_wrap_hooks``."""
     options = options_from_args(args)
@@ -775,8 +968,9 @@ def pre_wrap_hook(args: Any) -> Callable[[list], list]:
             f"(torch.compile {options.compile_kwargs()}), warm-up {options.warmup_iters} iterations; "
             + (f"TE kernels inside the compiled layers ({TE_KERNELS_FLAG}: a graph break each)"
                if options.te_kernels else
-               f"TE norms ({traceable_norm_count(model_chunks)} in the model), the router and RoPE trace as torch "
-               f"code while compiling (inductor fuses them; {TE_KERNELS_FLAG} keeps TE's kernels)")
+               f"TE norms ({traceable_norm_count(model_chunks)} in the model), the router, RoPE"
+               + (" and the TE attention block (plain bf16 cases)" if _attention_block_applied() else "")
+               + f" trace as torch code while compiling (inductor fuses them; {TE_KERNELS_FLAG} keeps TE's kernels)")
         )
         return model_chunks
 

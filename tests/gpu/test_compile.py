@@ -94,9 +94,57 @@ def compare(runs, name):
     return eager, compiled
 
 
+# What TE's attention block breaks on when it is not traced as torch ops (compile.py).
+TE_ATTENTION_BREAKS = ("LayerNormLinear.forward", "_linear_eager", "DotProductAttention.forward")
+
+
 @pytest.mark.gpus(1)
 def test_compiled_matches_eager_one_gpu(runs):
-    compare(runs, "compile_1gpu")
+    _, compiled = compare(runs, "compile_1gpu")
+    # The tiny config is plain bf16 on one TP rank without dropout: the QKV, attention and
+    # output projection trace as torch ops, so none of TE's attention modules breaks a graph.
+    reasons = " ".join(compile_reports(compiled)[0]["graph_break_reasons"])
+    assert not [name for name in TE_ATTENTION_BREAKS if name in reasons], reasons[:2000]
+
+
+def _relative_error(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.gpus(1)
+def test_attention_block_substitutes_match_transformer_engine():
+    """compile.py's torch versions of TE's LayerNormLinear, Linear and DotProductAttention give
+    TE's outputs and gradients within bf16 rounding (here eagerly, called directly)."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    from megatron.patchset import compile as ps_compile
+
+    torch.manual_seed(0)
+    bf16, hidden, heads, groups, dim, seq = torch.bfloat16, 1024, 16, 4, 64, 2048
+    qkv = te.LayerNormLinear(hidden, (heads + 2 * groups) * dim, bias=False, normalization="RMSNorm",
+                             eps=1e-6, params_dtype=bf16)
+    proj = te.Linear(heads * dim, hidden, bias=False, params_dtype=bf16)
+    attention = te.DotProductAttention(heads, dim, num_gqa_groups=groups, attention_dropout=0.0,
+                                       attn_mask_type="causal", qkv_format="sbhd")
+    x = torch.randn(seq, 2, hidden, device="cuda", dtype=bf16, requires_grad=True)
+
+    def block(linear_qkv, core, linear_proj):
+        mixed = linear_qkv(x)
+        q, k, v = mixed.view(seq, 2, -1, dim).split([heads, groups, groups], dim=2)
+        return linear_proj(core(q.contiguous(), k.contiguous(), v.contiguous()))
+
+    params = [x, qkv.layer_norm_weight, qkv.weight, proj.weight]
+    te_out = block(qkv, lambda q, k, v: attention(q, k, v), proj)
+    te_grads = torch.autograd.grad(te_out.float().square().mean(), params)
+    torch_out = block(lambda t: ps_compile.traceable_layernorm_linear(qkv, t)[0],
+                      lambda q, k, v: ps_compile.traceable_attention(q, k, v, True, attention.softmax_scale),
+                      lambda t: ps_compile.traceable_linear(proj, t)[0])
+    torch_grads = torch.autograd.grad(torch_out.float().square().mean(), params)
+    errors = [_relative_error(torch_out, te_out)] + [_relative_error(g, w) for g, w in zip(torch_grads, te_grads)]
+    print(f"\nattention block, torch ops vs TE: max relative error out {errors[0]:.2e}, grads "
+          + ", ".join(f"{e:.2e}" for e in errors[1:]))
+    assert all(e < 2e-2 for e in errors), errors
 
 
 @pytest.mark.gpus(2)

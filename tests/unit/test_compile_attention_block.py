@@ -1,0 +1,257 @@
+"""The TE spec's attention block as torch code inside compiled layers (compile.py).
+
+While dynamo traces a compiled TransformerLayer, megatron's TE QKV ``LayerNormLinear``, output
+``Linear`` and ``DotProductAttention`` (compile-disabled by TE: a graph break in every enclosing
+frame) run as ``traceable_norm`` + ``F.linear`` and SDPA, in the plain bf16 single-rank case; eager
+calls and every other case keep TE. There is no TE on the CPU: stand-ins with the attributes the
+eligibility checks read play TE's modules, with a compile-disabled "kernel" that counts its calls.
+The GPU check against TE itself is tests/gpu/test_compile.py."""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.patchset import compile as ps_compile
+from megatron.patchset import patches
+from tests.unit.conftest import parse, tiny_argv
+from tests.unit.test_compile_traceable import breaks, fresh_dynamo, in_compiled_layer  # noqa: F401
+
+
+def _config(**kw):
+    return types.SimpleNamespace(**{"fp8": None, "fp4": None, "delay_wgrad_compute": False, "qk_clip": False,
+                                    "log_max_attention_logit": False, **kw})
+
+
+class StandInLinear(torch.nn.Module):
+    """megatron's TELinear as the checks see it; ``forward`` is the compile-disabled TE call."""
+
+    def __init__(self, n_in, n_out, *, bias=False, return_bias=False, **attrs):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_out, n_in) * 0.2)
+        self.use_bias = bias
+        self.bias = torch.nn.Parameter(torch.randn(n_out)) if bias else torch.Tensor()
+        self.te_return_bias = return_bias and bias
+        self.tp_size, self.fuse_wgrad_accumulation, self.weight_names = 1, False, ["weight"]
+        self.te_quant_params, self.config, self.calls = None, _config(), 0
+        for name, value in attrs.items():
+            setattr(self, name, value)
+
+    def _reference(self, x):
+        return F.linear(x, self.weight, self.bias if self.use_bias and not self.te_return_bias else None)
+
+    def forward(self, x):
+        return self._te(x)
+
+    @torch.compiler.disable
+    def _te(self, x):
+        self.calls += 1
+        return self._reference(x), (self.bias if self.te_return_bias else None)
+
+
+class StandInLayerNormLinear(StandInLinear):
+    def __init__(self, n_in, n_out, *, normalization="RMSNorm", zero_centered_gamma=False, **kw):
+        super().__init__(n_in, n_out, **kw)
+        self.layer_norm_weight = torch.nn.Parameter(torch.randn(n_in))
+        self.layer_norm_bias = torch.nn.Parameter(torch.randn(n_in)) if normalization == "LayerNorm" else None
+        self.normalization, self.zero_centered_gamma, self.eps = normalization, zero_centered_gamma, 1e-6
+        self.return_layernorm_output = False
+
+    def _reference(self, x):
+        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        if self.normalization == "RMSNorm":
+            normed = F.rms_norm(x, (x.shape[-1],), gamma, eps=self.eps)
+        else:
+            normed = F.layer_norm(x, (x.shape[-1],), gamma, self.layer_norm_bias, eps=self.eps)
+        return super()._reference(normed)
+
+
+def reference_attention(q, k, v, causal, scale):
+    """sbhd softmax attention, grouped-query heads repeated, written out."""
+    s, b, h, d = q.shape
+    k = k.repeat_interleave(h // k.shape[2], dim=2)
+    v = v.repeat_interleave(h // v.shape[2], dim=2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v).reshape(s, b, h * d)
+
+
+class Mask:
+    def __init__(self, name):
+        self.name = name
+
+
+class StandInAttention(torch.nn.Module):
+    def __init__(self, **attrs):
+        super().__init__()
+        self.qkv_format, self.window_size, self.attention_dropout = "sbhd", (-1, 0), 0.0
+        self.softmax_type, self.softcap, self.return_max_logit, self.deterministic = "vanilla", None, False, False
+        self.cp_group, self.num_splits, self.softmax_scale, self.config, self.calls = None, None, 0.25, _config(), 0
+        for name, value in attrs.items():
+            setattr(self, name, value)
+
+    @torch.compiler.disable
+    def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                packed_seq_params=None, num_splits=None):
+        self.calls += 1
+        return reference_attention(query, key, value, attn_mask_type.name == "causal", self.softmax_scale)
+
+
+def test_attention_block_patches_wanted_only_with_compile_and_the_te_spec():
+    def wanted(*extra):
+        return {p.name for p in patches.wanted(parse(tiny_argv(*extra)))} & set(ps_compile.ATTENTION_BLOCK_PATCHES)
+
+    assert wanted() == set()
+    assert wanted("--compile-transformer-layers") == set(ps_compile.ATTENTION_BLOCK_PATCHES)
+    assert wanted("--compile-transformer-layers", "--transformer-impl", "local") == set()
+    assert wanted("--compile-transformer-layers", "--compile-transformer-layers-te-kernels") == set()
+    assert len(ps_compile.ATTENTION_BLOCK_PATCHES) == 5
+
+
+@pytest.mark.parametrize("bias,return_bias", [(False, False), (True, False), (True, True)])
+def test_traceable_linear_keeps_te_bias_contract(bias, return_bias):
+    module = StandInLinear(16, 8, bias=bias, return_bias=return_bias)
+    x = torch.randn(5, 2, 16)
+    out, returned = ps_compile.traceable_linear(module, x)
+    ref, ref_returned = module._te(x)
+    torch.testing.assert_close(out, ref)
+    assert (returned is None) == (ref_returned is None)
+    if return_bias:
+        assert returned is module.bias  # megatron adds it later (bias-dropout-add)
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_traceable_layernorm_linear_is_norm_then_gemm(normalization, zero_centered):
+    torch.manual_seed(0)
+    module = StandInLayerNormLinear(32, 24, normalization=normalization, zero_centered_gamma=zero_centered)
+    x = torch.randn(6, 2, 32) * 3
+    out, returned = ps_compile.traceable_layernorm_linear(module, x)
+    torch.testing.assert_close(out, module._reference(x), rtol=1e-5, atol=1e-5)
+    assert returned is None
+
+
+def _substituted(factory_name, stand_in):
+    factory = {
+        "linear": ps_compile._linear_factory(ps_compile.traceable_linear, "TELinear"),
+        "layernorm_linear": ps_compile._linear_factory(ps_compile.traceable_layernorm_linear,
+                                                       "TELayerNormColumnParallelLinear"),
+        "attention": ps_compile._te_attention_factory,
+    }[factory_name]
+    cls = factory(stand_in)
+    assert issubclass(cls, stand_in) and cls.__name__ == stand_in.__name__
+    return cls
+
+
+@pytest.mark.parametrize("kind", ["linear", "layernorm_linear"])
+def test_linear_substitute_traces_inside_compiled_layers_only(kind, fresh_dynamo, in_compiled_layer):
+    torch.manual_seed(0)
+    stand_in = StandInLinear if kind == "linear" else StandInLayerNormLinear
+    module = _substituted(kind, stand_in)(16, 8)
+    x = torch.randn(4, 2, 16, requires_grad=True)
+
+    eager, _ = module(x)
+    assert module.calls == 1
+    compiled = torch.compile(lambda t: module(t)[0] * 2, backend="aot_eager")(x)
+    assert module.calls == 1 and breaks(fresh_dynamo) == 0
+    torch.testing.assert_close(compiled, eager * 2, rtol=1e-5, atol=1e-5)
+    compiled.sum().backward()
+    assert module.weight.grad is not None and x.grad is not None  # DDP's hooks add .grad to main_grad
+
+    ps_compile._IN_COMPILED_LAYER[0] = False  # other torch.compile'd code keeps TE
+    torch.compile(lambda t: module(t)[0] + 1, backend="aot_eager")(x)
+    assert module.calls == 2
+    ps_compile._IN_COMPILED_LAYER[0] = True
+
+
+@pytest.mark.parametrize("attrs", [
+    {"tp_size": 2},
+    {"fuse_wgrad_accumulation": True},
+    {"weight_names": ["query_weight", "key_weight"]},
+    {"te_quant_params": object()},
+    {"config": _config(fp8="hybrid")},
+    {"config": _config(delay_wgrad_compute=True)},
+])
+def test_linear_substitute_leaves_other_cases_to_te(attrs, fresh_dynamo, in_compiled_layer):
+    module = _substituted("linear", StandInLinear)(16, 8, **attrs)
+    assert not ps_compile.plain_bf16_linear(module)
+    torch.compile(lambda t: module(t)[0] * 2, backend="aot_eager")(torch.randn(3, 16))
+    assert module.calls == 1 and breaks(fresh_dynamo) >= 1
+
+
+@pytest.mark.parametrize("heads,groups", [(8, 2), (4, 4)])
+def test_traceable_attention_is_causal_softmax_attention(heads, groups):
+    torch.manual_seed(0)
+    q = torch.randn(12, 2, heads, 16, requires_grad=True)
+    k = torch.randn(12, 2, groups, 16, requires_grad=True)
+    v = torch.randn(12, 2, groups, 16, requires_grad=True)
+    for causal in (True, False):
+        out = ps_compile.traceable_attention(q, k, v, causal, 0.3)
+        ref = reference_attention(q, k, v, causal, 0.3)
+        assert out.shape == (12, 2, heads * 16)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _qkv():
+    torch.manual_seed(0)
+    return torch.randn(10, 2, 8, 16), torch.randn(10, 2, 2, 16), torch.randn(10, 2, 2, 16)
+
+
+def test_attention_substitute_traces_plain_causal_attention(fresh_dynamo, in_compiled_layer):
+    module = _substituted("attention", StandInAttention)()
+    q, k, v = _qkv()
+    eager = module(q, k, v, None, Mask("causal"))
+    assert module.calls == 1
+    compiled = torch.compile(lambda *t: module(*t, None, Mask("causal")) + 1, backend="aot_eager")(q, k, v)
+    assert module.calls == 1 and breaks(fresh_dynamo) == 0
+    torch.testing.assert_close(compiled, eager + 1, rtol=1e-5, atol=1e-5)
+
+
+class _Group:
+    def size(self):
+        return 2
+
+
+@pytest.mark.parametrize("attrs,call", [
+    ({"attention_dropout": 0.1}, {}),
+    ({"window_size": (128, 0)}, {}),
+    ({"qkv_format": "thd"}, {}),
+    ({"cp_group": _Group()}, {}),
+    ({"deterministic": True}, {}),
+    ({"softmax_type": "learnable"}, {}),
+    ({"config": _config(fp8="e4m3")}, {}),
+    ({"config": _config(qk_clip=True)}, {}),
+    ({}, {"attention_bias": torch.zeros(1)}),
+    ({}, {"packed_seq_params": object()}),
+    ({}, {"mask": "padding_causal"}),
+])
+def test_attention_substitute_leaves_other_cases_to_te(attrs, call, fresh_dynamo, in_compiled_layer):
+    module = _substituted("attention", StandInAttention)(**attrs)
+    q, k, v = _qkv()
+    mask = Mask(call.pop("mask", "causal"))
+    assert not ps_compile.sdpa_eligible(module, q, k, v, None, mask, **call)
+    torch.compile(lambda *t: module(*t, None, mask, **call) + 1, backend="aot_eager")(q, k, v)
+    assert module.calls == 1
+
+
+def test_attention_dropout_is_fine_outside_training():
+    module = StandInAttention(attention_dropout=0.1)
+    q, k, v = _qkv()
+    module.eval()
+    assert ps_compile.sdpa_eligible(module, q, k, v, None, Mask("causal"))
+    module.train()
+    assert not ps_compile.sdpa_eligible(module, q, k, v, None, Mask("causal"))
+
+
+def test_substitutes_need_transformer_engine_classes():
+    """Without TE megatron's names are placeholders, not classes: a clear error, not a subclass of a mock."""
+    with pytest.raises(patches.PatchsetError, match="TEDotProductAttention.*not a class.*TransformerEngine is not installed"):
+        ps_compile._te_attention_factory(object())
+    with pytest.raises(patches.PatchsetError, match="TELinear.*--compile-transformer-layers-te-kernels"):
+        ps_compile._linear_factory(ps_compile.traceable_linear, "TELinear")(None)
