@@ -44,11 +44,12 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import inspect
 import logging
 import time
 from typing import Any, Callable, Optional
 
-from megatron.patchset.patches import PatchsetError, applied, register
+from megatron.patchset.patches import PatchsetError, applied, patched_by, register
 
 logger = logging.getLogger(__name__)
 
@@ -551,13 +552,35 @@ def _te_norm_factory(original):
 # call TE forwards that TE wraps in ``torch.compiler.disable``. Each is a graph break, and since
 # it sits three calls deep (layer -> attention -> linear), dynamo splits every enclosing frame
 # there: the profile at 1x4096 showed the compiled attention block costing as much host time as
-# the eager one. In the plain bf16 case -- one tensor-parallel rank, no FP8/FP4, no TE weight-grad
-# fusion or delay, no parameter splits -- these modules compute a norm, a GEMM and a causal
-# softmax attention, which torch ops give as well: while dynamo traces a compiled layer, the
-# subclasses below run them as ``traceable_norm`` + ``F.linear`` and
-# ``F.scaled_dot_product_attention``. Anything else (and every eager call) goes to TE.
+# the eager one. In the plain bf16 case -- one tensor-parallel rank, no FP8/FP4 (by config or by
+# an enclosing autocast), no TE weight-grad fusion or delay, no parameter splits, no CPU
+# offloading -- these modules compute a norm, a GEMM and a causal softmax attention, which torch
+# ops give as well: while dynamo traces a compiled layer, the wrapped forwards below run them as
+# ``traceable_norm`` + ``F.linear`` and ``F.scaled_dot_product_attention``. Anything else (and
+# every eager call) goes to upstream's forward. The patches wrap the classes' ``forward`` in
+# place (not subclasses: megatron's MLA compares its spec's linear classes by identity).
 
-_TE_EXT = "megatron.core.extensions.transformer_engine_spec_provider"
+_TE_WRAPPERS = "megatron.core.extensions.transformer_engine"
+
+# Whether TE's state around the current compiled-layer call is plain (no FP8 autocast, no CPU
+# offload): read by compile_layer's wrapper before each call, outside the traced code, so that
+# the traced code only reads (and dynamo guards on) this flag.
+_TE_CONTEXT_PLAIN = [True]
+
+
+@functools.lru_cache(maxsize=1)
+def _te_context_checks() -> tuple:
+    try:
+        from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:
+        return ()
+    return FP8GlobalStateManager.is_fp8_enabled, is_cpu_offload_enabled
+
+
+def te_context_plain() -> bool:
+    """No FP8/FP4 autocast entered and no TE CPU offloading active (True without TE)."""
+    return not any(check() for check in _te_context_checks())
 
 
 def te_attention_block_substitutes(args: Any) -> bool:
@@ -566,14 +589,15 @@ def te_attention_block_substitutes(args: Any) -> bool:
 
 def plain_bf16_linear(module) -> bool:
     """``module`` (a megatron TE linear) is a single-rank, unquantised GEMM whose weight gradient
-    TE would return as ``.grad`` (no fused accumulation into ``main_grad``, no delayed wgrad)."""
-    config = getattr(module, "config", None)
-    return (getattr(module, "tp_size", 1) == 1
-            and not getattr(module, "fuse_wgrad_accumulation", False)
-            and list(getattr(module, "weight_names", ["weight"])) == ["weight"]
-            and getattr(module, "te_quant_params", None) is None
-            and getattr(config, "fp8", None) is None and getattr(config, "fp4", None) is None
-            and not getattr(config, "delay_wgrad_compute", False)
+    TE would return as ``.grad`` (no fused accumulation into ``main_grad``, no delayed wgrad).
+    Attributes are read strictly: a TE that renamed one is a clear error, not a silent yes."""
+    config = module.config
+    return (module.tp_size == 1
+            and not module.fuse_wgrad_accumulation
+            and list(module.weight_names) == ["weight"]
+            and module.te_quant_params is None
+            and config.fp8 is None and config.fp4 is None
+            and not config.delay_wgrad_compute
             and getattr(module.weight, "gtp_remat_size", None) is None
             and not getattr(module, "return_layernorm_output", False))
 
@@ -581,9 +605,11 @@ def plain_bf16_linear(module) -> bool:
 def _bias_of(module):
     """(bias added in the GEMM, bias returned to the caller): TE's ``return_bias`` contract."""
     bias = getattr(module, "bias", None)
-    if not getattr(module, "use_bias", False) or bias is None or bias.numel() == 0:
+    if not module.use_bias or bias is None or bias.numel() == 0:
         return None, None
-    return (None, bias) if getattr(module, "te_return_bias", False) else (bias, None)
+    # megatron's wrappers: te_return_bias (skip_bias_add and bias); TE's own modules: return_bias
+    returned = module.te_return_bias if hasattr(module, "te_return_bias") else module.return_bias
+    return (None, bias) if returned else (bias, None)
 
 
 def traceable_linear(module, x):
@@ -606,56 +632,46 @@ def traceable_layernorm_linear(module, x):
     return torch.nn.functional.linear(normed, module.weight, added), returned
 
 
-def _te_class(original, name: str) -> type:
-    if not isinstance(original, type):
+def _te_method(original, name: str) -> Callable:
+    if not inspect.isfunction(original):
         raise PatchsetError(
-            f"{FLAG}: megatron's {name} is {original!r} here, not a class: TransformerEngine is not "
-            f"installed (run with {TE_KERNELS_FLAG}, or --transformer-impl local)")
+            f"{FLAG}: megatron's {name} is {original!r} here, not a function: TransformerEngine is "
+            f"not installed (run with {TE_KERNELS_FLAG}, or --transformer-impl local)")
     return original
 
 
 def _linear_factory(traceable: Callable, name: str) -> Callable:
     def factory(original):
-        original = _te_class(original, name)
+        original = _te_method(original, name)
 
-        class Substitute(original):
-            """Upstream's TE linear; traced as torch ops inside a compiled layer (plain bf16 only)."""
+        # updated=(): not the original's __dict__, which would carry a torch.compiler.disable mark
+        @functools.wraps(original, updated=())
+        def forward(self, x, *args, **kwargs):
+            if not args and not kwargs and _tracing() and _TE_CONTEXT_PLAIN[0] and plain_bf16_linear(self):
+                return traceable(self, x)
+            return original(self, x, *args, **kwargs)
 
-            def forward(self, x, *args, **kwargs):
-                if not args and not kwargs and _tracing() and plain_bf16_linear(self):
-                    return traceable(self, x)
-                return super().forward(x, *args, **kwargs)
-
-        Substitute.__qualname__ = Substitute.__name__ = original.__name__
-        Substitute.__module__ = original.__module__
-        return Substitute
+        return forward
 
     return factory
 
 
 _LINEAR_SUBSTITUTES = {
     "compile.te_layernorm_linear_traceable": (
-        "TELayerNormColumnParallelLinear", traceable_layernorm_linear,
+        "TELayerNormColumnParallelLinear.forward", traceable_layernorm_linear,
         "the fused input norm + QKV GEMM is TE's LayerNormLinear, whose forward TE wraps in "
         "torch.compiler.disable (a graph break in every enclosing frame): while compiling, in "
         "plain bf16 on one TP rank, the same norm and GEMM in torch ops"),
-    "compile.te_row_linear_traceable": (
-        "TERowParallelLinear", traceable_linear,
-        "the attention output projection is TE's Linear (compile-disabled by TE, a graph break "
-        "in every enclosing frame): while compiling, in plain bf16 on one TP rank, F.linear"),
-    "compile.te_column_linear_traceable": (
-        "TEColumnParallelLinear", traceable_linear,
-        "TE's column-parallel Linear (unfused-norm QKV, MLA projections) is compile-disabled by "
-        "TE: while compiling, in plain bf16 on one TP rank, F.linear"),
     "compile.te_linear_traceable": (
-        "TELinear", traceable_linear,
-        "TE's duplicated Linear (MLA down-projections) is compile-disabled by TE: while "
-        "compiling, in plain bf16, F.linear"),
+        "TELinear.forward", traceable_linear,
+        "TE's Linear (attention output projection; the column/row/duplicated linears inherit this "
+        "forward) is compile-disabled by TE, a graph break in every enclosing frame: while "
+        "compiling, in plain bf16 on one TP rank, F.linear"),
 }
 
-for _name, (_cls, _traceable, _reason) in _LINEAR_SUBSTITUTES.items():
-    compile_patch(_name, f"{_TE_EXT}.{_cls}", _reason, enabled=te_attention_block_substitutes)(
-        _linear_factory(_traceable, _cls))
+for _name, (_attr, _traceable, _reason) in _LINEAR_SUBSTITUTES.items():
+    compile_patch(_name, f"{_TE_WRAPPERS}.{_attr}", _reason, enabled=te_attention_block_substitutes)(
+        _linear_factory(_traceable, _attr))
 
 
 def sdpa_eligible(module, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
@@ -663,32 +679,33 @@ def sdpa_eligible(module, query, key, value, attention_mask, attn_mask_type, att
     """TE's ``DotProductAttention`` call is plain causal (or unmasked) softmax attention in sbhd
     layout, one context-parallel rank, no dropout in training, no window, bias, packing, FP8,
     softmax variants or max-logit output: what ``F.scaled_dot_product_attention`` computes."""
-    config = getattr(module, "config", None)
-    cp_group = getattr(module, "cp_group", None)
+    config = module.config
+    cp_group = module.cp_group
     mask = getattr(attn_mask_type, "name", attn_mask_type)
-    window = getattr(module, "window_size", None)
-    return (getattr(module, "qkv_format", "sbhd") == "sbhd"
+    return (module.qkv_format == "sbhd"
             and packed_seq_params is None and attention_bias is None and num_splits is None
             and getattr(module, "num_splits", None) is None
             and (mask == "causal" or (mask == "no_mask" and attention_mask is None))
-            and window in (None, (-1, 0), (-1, -1))
-            and (not module.training or float(getattr(module, "attention_dropout", 0.0)) == 0.0)
-            and getattr(module, "softmax_type", "vanilla") == "vanilla"
-            and not getattr(module, "softcap", None)
-            and not getattr(module, "return_max_logit", False)
-            and not getattr(module, "deterministic", False)
-            and (cp_group is None or cp_group.size() == 1)
-            and getattr(config, "fp8", None) is None and getattr(config, "fp4", None) is None
+            and module.window_size in (None, (-1, 0), (-1, -1))
+            and (not module.training or float(module.attention_dropout) == 0.0)
+            and module.softmax_type == "vanilla"
+            and not module.softcap
+            and not module.return_max_logit
+            and not module.deterministic
+            # hierarchical CP (a2a+p2p) passes a list of groups
+            and (cp_group is None or (not isinstance(cp_group, (list, tuple)) and cp_group.size() == 1))
+            and config.fp8 is None and config.fp4 is None
             and not getattr(config, "qk_clip", False)
             and not getattr(config, "log_max_attention_logit", False)
             and query.dim() == 4 and query.shape[0] == key.shape[0]
-            and query.shape[-1] == value.shape[-1] and key.shape[2] == value.shape[2]
+            and query.shape[-1] == key.shape[-1] == value.shape[-1] and key.shape[2] == value.shape[2]
             and query.shape[2] % key.shape[2] == 0)
 
 
 def traceable_attention(query, key, value, causal: bool, scale: float):
-    """TE's sbhd attention output ``[s, b, heads * dim]`` through SDPA (grouped-query heads
-    without copies: ``enable_gqa``)."""
+    """TE's sbhd attention output ``[s, b, heads * dim]`` through SDPA. Grouped-query heads
+    without copies (``enable_gqa``): query head i reads key/value head i // (heads / groups), the
+    order megatron's QKV split gives them."""
     import torch
 
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
@@ -700,32 +717,53 @@ def traceable_attention(query, key, value, causal: bool, scale: float):
 
 @compile_patch(
     "compile.te_attention_traceable",
-    f"{_TE_EXT}.TEDotProductAttention",
+    f"{_TE_WRAPPERS}.TEDotProductAttention.forward",
     "TE's DotProductAttention forward is compile-disabled by TE (a graph break in every "
     "enclosing frame): while compiling, plain causal bf16 attention (no dropout, window, "
     "packing, CP or FP8) as F.scaled_dot_product_attention",
     enabled=te_attention_block_substitutes,
 )
 def _te_attention_factory(original):
-    original = _te_class(original, "TEDotProductAttention")
+    original = _te_method(original, "TEDotProductAttention.forward")
 
-    class TEDotProductAttention(original):
-        """Upstream's TE attention; traced as SDPA inside a compiled layer (plain cases only)."""
+    @functools.wraps(original, updated=())
+    def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                packed_seq_params=None, num_splits=None):
+        if _tracing() and _TE_CONTEXT_PLAIN[0] and sdpa_eligible(
+                self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                packed_seq_params, num_splits):
+            return traceable_attention(query, key, value,
+                                       getattr(attn_mask_type, "name", attn_mask_type) == "causal",
+                                       float(self.softmax_scale))
+        return original(self, query, key, value, attention_mask, attn_mask_type,
+                        attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+                        num_splits=num_splits)
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
-                    packed_seq_params=None, num_splits=None):
-            if _tracing() and sdpa_eligible(self, query, key, value, attention_mask, attn_mask_type,
-                                            attention_bias, packed_seq_params, num_splits):
-                return traceable_attention(query, key, value,
-                                           getattr(attn_mask_type, "name", attn_mask_type) == "causal",
-                                           float(self.softmax_scale))
-            return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params,
-                                   num_splits=num_splits)
+    return forward
 
-    TEDotProductAttention.__qualname__ = TEDotProductAttention.__name__ = original.__name__
-    TEDotProductAttention.__module__ = original.__module__
-    return TEDotProductAttention
+
+def attention_block_report(model_chunks: list) -> str:
+    """How many TE linears and attentions of the model can trace (their static conditions; the
+    call-time ones -- masks, FP8 autocast -- are checked while tracing)."""
+    linears = attentions = linears_ok = attentions_ok = 0
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            forward = getattr(type(module), "forward", None)
+            if patched_by(forward) in _LINEAR_SUBSTITUTES:
+                linears += 1
+                linears_ok += plain_bf16_linear(module)
+            elif patched_by(forward) == "compile.te_attention_traceable":
+                attentions += 1
+                attentions_ok += (module.qkv_format == "sbhd" and module.softmax_type == "vanilla"
+                                  and float(module.attention_dropout) == 0.0
+                                  and module.window_size in (None, (-1, 0), (-1, -1)))
+    text = f"TE linears {linears_ok} of {linears}, TE attentions {attentions_ok} of {attentions} trace as torch ops"
+    if linears_ok < linears:
+        text += (" (TE keeps the others: tensor parallelism, FP8/FP4, gradient-accumulation fusion -- "
+                 "--no-gradient-accumulation-fusion lets those trace -- or a delayed wgrad)")
+    if attentions_ok < attentions:
+        text += " (attention dropout > 0, a sliding window or another format keeps TE's attention)"
+    return text
 
 
 # Applied with every compilation unless --compile-transformer-layers-te-kernels (the router
@@ -891,6 +929,7 @@ def compile_layer(layer, options: CompileOptions, monitor: Optional[CompileMonit
     def forward(*args, **kwargs):
         outer = _IN_COMPILED_LAYER[0]
         _IN_COMPILED_LAYER[0] = True
+        _TE_CONTEXT_PLAIN[0] = te_context_plain()
         try:
             if monitor is not None and monitor.strict and layer.training:
                 with torch.compiler.set_stance("fail_on_recompile"):
@@ -969,8 +1008,8 @@ def pre_wrap_hook(args: Any) -> Callable[[list], list]:
             + (f"TE kernels inside the compiled layers ({TE_KERNELS_FLAG}: a graph break each)"
                if options.te_kernels else
                f"TE norms ({traceable_norm_count(model_chunks)} in the model), the router, RoPE"
-               + (" and the TE attention block (plain bf16 cases)" if _attention_block_applied() else "")
-               + f" trace as torch code while compiling (inductor fuses them; {TE_KERNELS_FLAG} keeps TE's kernels)")
+               + f" trace as torch code while compiling (inductor fuses them; {TE_KERNELS_FLAG} keeps TE's kernels)"
+               + (f"; {attention_block_report(model_chunks)}" if _attention_block_applied() else ""))
         )
         return model_chunks
 

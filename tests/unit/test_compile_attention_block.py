@@ -107,7 +107,11 @@ def test_attention_block_patches_wanted_only_with_compile_and_the_te_spec():
     assert wanted("--compile-transformer-layers") == set(ps_compile.ATTENTION_BLOCK_PATCHES)
     assert wanted("--compile-transformer-layers", "--transformer-impl", "local") == set()
     assert wanted("--compile-transformer-layers", "--compile-transformer-layers-te-kernels") == set()
-    assert len(ps_compile.ATTENTION_BLOCK_PATCHES) == 5
+    # forward of megatron's wrapper classes, patched in place (MLA compares the classes by identity)
+    assert {patches.get(name).target.rsplit(".", 2)[-2:][0] for name in ps_compile.ATTENTION_BLOCK_PATCHES} == {
+        "TELayerNormColumnParallelLinear", "TELinear", "TEDotProductAttention"}
+    assert all(patches.get(name).target.startswith("megatron.core.extensions.transformer_engine.")
+               and patches.get(name).target.endswith(".forward") for name in ps_compile.ATTENTION_BLOCK_PATCHES)
 
 
 @pytest.mark.parametrize("bias,return_bias", [(False, False), (True, False), (True, True)])
@@ -133,16 +137,18 @@ def test_traceable_layernorm_linear_is_norm_then_gemm(normalization, zero_center
     assert returned is None
 
 
-def _substituted(factory_name, stand_in):
+def _substituted(kind, stand_in):
+    """``stand_in`` with its forward wrapped by the patch's factory (the patches wrap megatron's
+    classes' ``forward`` in place; a subclass here keeps the stand-in itself unpatched)."""
     factory = {
-        "linear": ps_compile._linear_factory(ps_compile.traceable_linear, "TELinear"),
+        "linear": ps_compile._linear_factory(ps_compile.traceable_linear, "TELinear.forward"),
         "layernorm_linear": ps_compile._linear_factory(ps_compile.traceable_layernorm_linear,
-                                                       "TELayerNormColumnParallelLinear"),
+                                                       "TELayerNormColumnParallelLinear.forward"),
         "attention": ps_compile._te_attention_factory,
-    }[factory_name]
-    cls = factory(stand_in)
-    assert issubclass(cls, stand_in) and cls.__name__ == stand_in.__name__
-    return cls
+    }[kind]
+    forward = factory(stand_in.forward)
+    assert forward.__wrapped__ is stand_in.forward and forward.__name__ == "forward"
+    return type(stand_in.__name__, (stand_in,), {"forward": forward})
 
 
 @pytest.mark.parametrize("kind", ["linear", "layernorm_linear"])
@@ -230,13 +236,30 @@ class _Group:
     ({}, {"attention_bias": torch.zeros(1)}),
     ({}, {"packed_seq_params": object()}),
     ({}, {"mask": "padding_causal"}),
+    ({}, {"mask": "no_mask", "attention_mask": torch.ones(1, dtype=torch.bool)}),
+    ({"cp_group": [object(), object()]}, {}),  # hierarchical CP (a2a+p2p): a list of groups
+    ({"num_splits": 2}, {}),
+    ({}, {"num_splits": 2}),
+    ({"softcap": 30.0}, {}),
+    ({"return_max_logit": True}, {}),
+    ({}, {"key_len": 6}),  # fewer keys than queries (decode-style): TE's bottom-right alignment
+    ({}, {"value_dim": 8}),  # a value head dim other than the query's (MLA)
 ])
 def test_attention_substitute_leaves_other_cases_to_te(attrs, call, fresh_dynamo, in_compiled_layer):
     module = _substituted("attention", StandInAttention)(**attrs)
     q, k, v = _qkv()
+    call = dict(call)
     mask = Mask(call.pop("mask", "causal"))
-    assert not ps_compile.sdpa_eligible(module, q, k, v, None, mask, **call)
-    torch.compile(lambda *t: module(*t, None, mask, **call) + 1, backend="aot_eager")(q, k, v)
+    attention_mask = call.pop("attention_mask", None)
+    if "key_len" in call:
+        k, v = k[:call["key_len"]], v[:call.pop("key_len")]
+    if "value_dim" in call:
+        v = v[..., :call.pop("value_dim")]
+    assert not ps_compile.sdpa_eligible(module, q, k, v, attention_mask, mask, **call)
+    try:
+        torch.compile(lambda *t: module(*t, attention_mask, mask, **call), backend="aot_eager")(q, k, v)
+    except Exception:  # the stand-in "kernel" itself may refuse the shapes: it was called, which is the point
+        pass
     assert module.calls == 1
 
 
@@ -250,8 +273,50 @@ def test_attention_dropout_is_fine_outside_training():
 
 
 def test_substitutes_need_transformer_engine_classes():
-    """Without TE megatron's names are placeholders, not classes: a clear error, not a subclass of a mock."""
-    with pytest.raises(patches.PatchsetError, match="TEDotProductAttention.*not a class.*TransformerEngine is not installed"):
-        ps_compile._te_attention_factory(object())
-    with pytest.raises(patches.PatchsetError, match="TELinear.*--compile-transformer-layers-te-kernels"):
-        ps_compile._linear_factory(ps_compile.traceable_linear, "TELinear")(None)
+    """Without TE megatron's names are placeholders (mocks), not functions: a clear error."""
+    from unittest import mock
+
+    with pytest.raises(patches.PatchsetError, match="TEDotProductAttention.forward.*not a function.*TransformerEngine is not installed"):
+        ps_compile._te_attention_factory(mock.MagicMock())
+    with pytest.raises(patches.PatchsetError, match="TELinear.forward.*--compile-transformer-layers-te-kernels"):
+        ps_compile._linear_factory(ps_compile.traceable_linear, "TELinear.forward")(None)
+
+
+def test_fp8_autocast_or_cpu_offload_keeps_te(fresh_dynamo, in_compiled_layer, monkeypatch):
+    """compile_layer's wrapper reads TE's FP8-autocast and CPU-offload state before each call; the
+    traced code keeps TE's forward when either is on."""
+    assert ps_compile.te_context_plain()  # no TE here: nothing enabled
+    monkeypatch.setattr(ps_compile, "_te_context_checks", lambda: (lambda: False, lambda: True))
+    assert not ps_compile.te_context_plain()
+    module = _substituted("linear", StandInLinear)(16, 8)
+    ps_compile._TE_CONTEXT_PLAIN[0] = False
+    try:
+        torch.compile(lambda t: module(t)[0] * 2, backend="aot_eager")(torch.randn(3, 16))
+    finally:
+        ps_compile._TE_CONTEXT_PLAIN[0] = True
+    assert module.calls == 1 and breaks(fresh_dynamo) >= 1
+
+
+def test_compiled_layer_wrapper_sets_the_te_context_flag(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ps_compile, "te_context_plain", lambda: False)
+    layer = torch.nn.Linear(4, 4)
+    layer.forward = lambda x: seen.append(ps_compile._TE_CONTEXT_PLAIN[0]) or x
+    ps_compile.compile_layer(layer, ps_compile.CompileOptions(backend="eager"), None)
+    try:
+        layer.forward(torch.randn(2, 4))
+    finally:
+        ps_compile._TE_CONTEXT_PLAIN[0] = True
+    assert seen == [False]
+
+
+def test_attention_block_report_counts_traceable_modules(monkeypatch):
+    linear_cls = _substituted("linear", StandInLinear)
+    attention_cls = _substituted("attention", StandInAttention)
+    names = {linear_cls.forward: "compile.te_linear_traceable", attention_cls.forward: "compile.te_attention_traceable"}
+    monkeypatch.setattr(ps_compile, "patched_by", lambda obj: names.get(obj))
+    model = torch.nn.ModuleList([linear_cls(4, 4), linear_cls(4, 4, fuse_wgrad_accumulation=True),
+                                 attention_cls(), attention_cls(attention_dropout=0.1), torch.nn.Linear(2, 2)])
+    report = ps_compile.attention_block_report([model])
+    assert report.startswith("TE linears 1 of 2, TE attentions 1 of 2 trace as torch ops")
+    assert "--no-gradient-accumulation-fusion" in report and "attention dropout" in report
