@@ -1007,7 +1007,7 @@ def pre_wrap_hook(args: Any) -> Callable[[list], list]:
             f"(torch.compile {options.compile_kwargs()}), warm-up {options.warmup_iters} iterations; "
             + (f"TE kernels inside the compiled layers ({TE_KERNELS_FLAG}: a graph break each)"
                if options.te_kernels else
-               f"TE norms ({traceable_norm_count(model_chunks)} in the model), the router, RoPE"
+               f"TE norms ({traceable_norm_count(model_chunks)} in the model), the router and RoPE"
                + f" trace as torch code while compiling (inductor fuses them; {TE_KERNELS_FLAG} keeps TE's kernels)"
                + (f"; {attention_block_report(model_chunks)}" if _attention_block_applied() else ""))
         )
