@@ -674,18 +674,14 @@ for _name, (_attr, _traceable, _reason) in _LINEAR_SUBSTITUTES.items():
         _linear_factory(_traceable, _attr))
 
 
-def sdpa_eligible(module, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
-                  packed_seq_params=None, num_splits=None) -> bool:
-    """TE's ``DotProductAttention`` call is plain causal (or unmasked) softmax attention in sbhd
-    layout, one context-parallel rank, no dropout in training, no window, bias, packing, FP8,
-    softmax variants or max-logit output: what ``F.scaled_dot_product_attention`` computes."""
+def sdpa_module_eligible(module) -> bool:
+    """The module side of :func:`sdpa_eligible` (its configuration, not the call): sbhd layout,
+    one context-parallel rank, no dropout in training, no window, FP8, softmax variants,
+    max-logit output or deterministic mode."""
     config = module.config
     cp_group = module.cp_group
-    mask = getattr(attn_mask_type, "name", attn_mask_type)
     return (module.qkv_format == "sbhd"
-            and packed_seq_params is None and attention_bias is None and num_splits is None
             and getattr(module, "num_splits", None) is None
-            and (mask == "causal" or (mask == "no_mask" and attention_mask is None))
             and module.window_size in (None, (-1, 0), (-1, -1))
             and (not module.training or float(module.attention_dropout) == 0.0)
             and module.softmax_type == "vanilla"
@@ -696,10 +692,21 @@ def sdpa_eligible(module, query, key, value, attention_mask, attn_mask_type, att
             and (cp_group is None or (not isinstance(cp_group, (list, tuple)) and cp_group.size() == 1))
             and config.fp8 is None and config.fp4 is None
             and not getattr(config, "qk_clip", False)
-            and not getattr(config, "log_max_attention_logit", False)
+            and not getattr(config, "log_max_attention_logit", False))
+
+
+def sdpa_eligible(module, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                  packed_seq_params=None, num_splits=None) -> bool:
+    """TE's ``DotProductAttention`` call is plain causal (or unmasked) softmax attention without
+    bias or packing, by a module that :func:`sdpa_module_eligible` accepts: what
+    ``F.scaled_dot_product_attention`` computes."""
+    mask = getattr(attn_mask_type, "name", attn_mask_type)
+    return (packed_seq_params is None and attention_bias is None and num_splits is None
+            and (mask == "causal" or (mask == "no_mask" and attention_mask is None))
             and query.dim() == 4 and query.shape[0] == key.shape[0]
             and query.shape[-1] == key.shape[-1] == value.shape[-1] and key.shape[2] == value.shape[2]
-            and query.shape[2] % key.shape[2] == 0)
+            and query.shape[2] % key.shape[2] == 0
+            and sdpa_module_eligible(module))
 
 
 def traceable_attention(query, key, value, causal: bool, scale: float):
@@ -743,26 +750,26 @@ def _te_attention_factory(original):
 
 
 def attention_block_report(model_chunks: list) -> str:
-    """How many TE linears and attentions of the model can trace (their static conditions; the
-    call-time ones -- masks, FP8 autocast -- are checked while tracing)."""
+    """How many TE linears and attentions of the model can trace (:func:`plain_bf16_linear`,
+    :func:`sdpa_module_eligible`; the call-time conditions -- masks, FP8 autocast -- are checked
+    while tracing)."""
     linears = attentions = linears_ok = attentions_ok = 0
     for chunk in model_chunks:
         for module in chunk.modules():
-            forward = getattr(type(module), "forward", None)
-            if patched_by(forward) in _LINEAR_SUBSTITUTES:
+            patch = patched_by(getattr(type(module), "forward", None))
+            if patch in _LINEAR_SUBSTITUTES:
                 linears += 1
                 linears_ok += plain_bf16_linear(module)
-            elif patched_by(forward) == "compile.te_attention_traceable":
+            elif patch == "compile.te_attention_traceable":
                 attentions += 1
-                attentions_ok += (module.qkv_format == "sbhd" and module.softmax_type == "vanilla"
-                                  and float(module.attention_dropout) == 0.0
-                                  and module.window_size in (None, (-1, 0), (-1, -1)))
+                attentions_ok += sdpa_module_eligible(module)
     text = f"TE linears {linears_ok} of {linears}, TE attentions {attentions_ok} of {attentions} trace as torch ops"
     if linears_ok < linears:
         text += (" (TE keeps the others: tensor parallelism, FP8/FP4, gradient-accumulation fusion -- "
                  "--no-gradient-accumulation-fusion lets those trace -- or a delayed wgrad)")
     if attentions_ok < attentions:
-        text += " (attention dropout > 0, a sliding window or another format keeps TE's attention)"
+        text += (" (attention dropout > 0, a sliding window, context parallelism, FP8, another format or "
+                 "deterministic mode keeps TE's attention)")
     return text
 
 
