@@ -57,6 +57,8 @@ from megatron.patchset import argsfile, profiling, training  # noqa: E402
 # rate measured on this workplace's H100/H200 (788-798 TFLOP/s for 8192^3 bf16 GEMMs); the
 # datasheet's 989 would give MFUs 0.8x as large. Override with --peak-tflops.
 PEAK_BF16_TFLOPS = {"H100": 790.0, "H200": 790.0, "H800": 790.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
+# torchrun --numa-binding modes (torch/numa/binding.py).
+NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
 
 
 ENV_TOKEN = re.compile(r"^[A-Z][A-Z0-9_]*=")
@@ -90,7 +92,13 @@ def parse_assignment(text: str) -> tuple[str, list[str]]:
 
 
 def device_facts() -> dict:
-    facts: dict = {}
+    facts: dict = {"host_cpus": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as handle:
+            facts["host_cpu"] = next((line.split(":", 1)[1].strip() for line in handle
+                                      if line.startswith("model name")), None)
+    except OSError:
+        pass
     try:
         import torch
 
@@ -178,7 +186,8 @@ def variant_files(out_dir: str, name: str) -> tuple[str, str]:
     return os.path.join(out_dir, f"{name}.jsonl"), os.path.join(out_dir, f"{name}.log")
 
 
-def run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout) -> tuple[int, str, str]:
+def run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout,
+                numa_binding: Optional[str] = None) -> tuple[int, str, str]:
     metrics, log = variant_files(out_dir, name)
     if os.path.exists(metrics):
         os.remove(metrics)
@@ -189,7 +198,9 @@ def run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout) -> tuple[i
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", *entry_argv,
+        f"--nproc-per-node={nproc}",
+        *([f"--numa-binding={numa_binding}"] if numa_binding else []),
+        *entry_argv,
     ]
     with open(log, "w") as handle:
         handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
@@ -461,6 +472,10 @@ def main(argv=None) -> int:
     p.add_argument("--upstream-script", default=None,
                    help="Megatron-LM's pretrain_gpt.py: the 'upstream' variant runs it through "
                         "tools/run_upstream.py instead of this repo's script with MEGATRON_PATCHSET=off.")
+    p.add_argument("--numa-binding", choices=NUMA_BINDINGS, default=None,
+                   help="torchrun --numa-binding: bind each rank to the CPUs near its GPU (node: the "
+                        "GPU's NUMA node). Host-bound configs (small micro-batches) vary from run to run "
+                        "with where the scheduler puts the rank's threads. Default: no binding.")
     p.add_argument("--out", default="bench-out", help="output folder. Default: bench-out.")
     p.add_argument("--timeout", type=int, default=900, help="seconds per variant. Default: 900.")
     p.add_argument("--title", default=None, help="chart title.")
@@ -526,7 +541,8 @@ def main(argv=None) -> int:
                 code = 0 if os.path.exists(metrics) else 2
             else:
                 print(f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...", flush=True)
-                code, metrics, log = run_variant(safe, entry + argv + flags, env, opts.nproc, opts.out, opts.timeout)
+                code, metrics, log = run_variant(safe, entry + argv + flags, env, opts.nproc, opts.out,
+                                                 opts.timeout, opts.numa_binding)
             row = {"variant": label, "flags": flags, "env": env, "exit_code": code, "log": log, "sweep_value": value}
             if opts.report_only and code != 0:
                 row["error"] = f"no metrics file {metrics}"
@@ -548,6 +564,7 @@ def main(argv=None) -> int:
     result = {
         "config": opts.config,
         "nproc": opts.nproc,
+        "numa_binding": opts.numa_binding,
         "iters": opts.iters,
         "warmup": opts.warmup,
         "overrides": [[f, v] for f, v in opts.set],

@@ -304,7 +304,7 @@ def test_forward_backward_timed_around_the_call(monkeypatch):
 def test_bench_time_fwd_bwd_sets_the_timer_for_every_variant(tmp_path, monkeypatch):
     envs = {}
 
-    def fake_run(name, entry_argv, env_extra, nproc, out_dir, timeout):
+    def fake_run(name, entry_argv, env_extra, nproc, out_dir, timeout, numa_binding=None):
         envs[name] = dict(env_extra)
         log = tmp_path / f"{name}.log"
         log.write_text("not run\n")
@@ -321,6 +321,25 @@ def test_bench_time_fwd_bwd_sets_the_timer_for_every_variant(tmp_path, monkeypat
     envs.clear()
     bench.main(args)
     assert not any("MEGATRON_PATCHSET_TIME_FWD_BWD" in env for env in envs.values())
+
+
+def test_numa_binding_reaches_torchrun(tmp_path, monkeypatch):
+    commands = []
+
+    def fake_subprocess_run(cmd, **kwargs):
+        commands.append(cmd)
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_subprocess_run)
+    bench.run_variant("a", ["pretrain_gpt.py", "--bf16"], {}, 2, str(tmp_path), 10, "node")
+    bench.run_variant("b", ["pretrain_gpt.py", "--bf16"], {}, 2, str(tmp_path), 10)
+    bound, unbound = commands
+    launcher = bound.index("torch.distributed.run")
+    assert bound[launcher + 1:launcher + 4] == ["--standalone", "--nproc-per-node=2", "--numa-binding=node"]
+    assert bound[launcher + 4:] == ["pretrain_gpt.py", "--bf16"]
+    assert not any(c.startswith("--numa-binding") for c in unbound)
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--numa-binding", "everywhere"])
 
 
 def test_variant_env_tokens():
