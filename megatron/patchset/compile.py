@@ -784,6 +784,184 @@ TRACEABLE_PATCHES = (
 ATTENTION_BLOCK_PATCHES = tuple(_LINEAR_SUBSTITUTES) + ("compile.te_attention_traceable",)
 
 
+# ---------------------------------------------------------------------------------------
+# The all-to-all dispatcher's permutation as gathers while compiling
+# ---------------------------------------------------------------------------------------
+# With --moe-permute-fusion, permutation 1 (before the all-to-all) and its inverse (after it)
+# are TE's mask-map kernels: Triton launches made from Python inside a custom op, on the host path
+# of every compiled layer's forward and backward. In dropless routing each token has exactly k
+# experts, so both directions are gathers of static shape that inductor fuses into the layer's
+# graphs: permute gathers each (expert, token) pair's row in megatron's order (expert-major,
+# tokens ascending; the order of upstream's unfused argsort permute and of TE's kernel), and its
+# gradient sums each token's k rows in fp32; unpermute sums each token's k rows in fp32 (as TE's
+# unpermute accumulates) and its gradient gathers. Deterministic: no atomics, unlike upstream's
+# unfused path (index_add / scatter_add in the tokens' dtype).
+
+_TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+
+# The top-k of the compiled layer running now when its dispatcher qualifies (see
+# permutation_topk), else None: set by compile_layer's wrapper, read (and guarded on) while tracing.
+_PERMUTE_TOPK = [None]
+
+
+def permutation_topk(dispatcher) -> Optional[int]:
+    """The router's k when every token of ``dispatcher`` routes to exactly k experts and its
+    permutation is TE's fused one: the all-to-all dispatcher with --moe-permute-fusion, dropless
+    (no capacity factor, no padding to capacity) and no routing-map padding for FP8/FP4."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
+        return None
+    config = dispatcher.config
+    if (not config.moe_permute_fusion or config.moe_expert_capacity_factor is not None
+            or config.moe_pad_expert_input_to_capacity or config.moe_router_padding_for_quantization):
+        return None
+    return int(config.moe_router_topk)
+
+
+def permutation_maps(routing_map, num_out_tokens: int):
+    """``(flat_order, token_of_row)``: the positions in ``routing_map.T`` (flattened, expert-major)
+    of the routed pairs in permuted order, and the token of every permuted row."""
+    import torch
+
+    num_tokens = routing_map.shape[0]
+    flat_order = torch.argsort(routing_map.T.reshape(-1), descending=True, stable=True)[:num_out_tokens]
+    return flat_order, torch.remainder(flat_order, num_tokens)
+
+
+def rows_of_tokens(token_of_row, num_tokens: int, topk: int):
+    """``[tokens, k]``: the permuted rows of every token (ascending, i.e. by expert)."""
+    import torch
+
+    return torch.argsort(token_of_row, stable=True).view(num_tokens, topk)
+
+
+def _sum_rows(rows, rows_of_token):
+    """``out[t] = sum_j rows[rows_of_token[t, j]]``, accumulated in fp32 (or wider)."""
+    import torch
+
+    # Casts only where the dtype changes: under dynamo an autograd function whose output went
+    # through a same-dtype .to() got a zero gradient (torch 2.11).
+    accumulate = torch.promote_types(rows.dtype, torch.float32)
+    gathered = rows[rows_of_token]
+    summed = (gathered if accumulate == rows.dtype else gathered.to(accumulate)).sum(dim=1)
+    return summed if summed.dtype == rows.dtype else summed.to(rows.dtype)
+
+
+_ROW_FUNCTIONS = None
+
+
+def row_functions() -> tuple:
+    """``(GatherRows, SumRows)``, the two directions as autograd functions, each the other's
+    gradient (built on first use, by the patch factories: torch is imported lazily, and dynamo
+    cannot trace a class statement)."""
+    global _ROW_FUNCTIONS
+    if _ROW_FUNCTIONS is None:
+        import torch
+
+        class GatherRows(torch.autograd.Function):
+            """``out[r] = x[token_of_row[r]]``; the gradient sums each token's rows."""
+
+            @staticmethod
+            def forward(ctx, x, token_of_row, rows_of_token):
+                ctx.save_for_backward(rows_of_token)
+                return x.index_select(0, token_of_row)
+
+            @staticmethod
+            def backward(ctx, grad):
+                (rows_of_token,) = ctx.saved_tensors
+                return _sum_rows(grad, rows_of_token), None, None
+
+        class SumRows(torch.autograd.Function):
+            """``out[t] = sum_j y[rows_of_token[t, j]]`` (fp32); the gradient gathers."""
+
+            @staticmethod
+            def forward(ctx, y, rows_of_token, token_of_row):
+                ctx.save_for_backward(token_of_row)
+                return _sum_rows(y, rows_of_token)
+
+            @staticmethod
+            def backward(ctx, grad):
+                (token_of_row,) = ctx.saved_tensors
+                return grad.index_select(0, token_of_row), None, None
+
+        _ROW_FUNCTIONS = (GatherRows, SumRows)
+    return _ROW_FUNCTIONS
+
+
+def gather_permute(tokens, routing_map, probs, num_out_tokens: int, topk: int):
+    """Permutation 1 as a gather: ``(permuted tokens, permuted probs, token of every row)``,
+    the row map in the format of upstream's unfused permute (1-D)."""
+    flat_order, token_of_row = permutation_maps(routing_map, num_out_tokens)
+    gather, _ = row_functions()
+    permuted = gather.apply(tokens, token_of_row, rows_of_tokens(token_of_row, tokens.shape[0], topk))
+    permuted_probs = None if probs is None else probs.T.reshape(-1).index_select(0, flat_order)
+    return permuted, permuted_probs, token_of_row
+
+
+def sum_unpermute(permuted_tokens, token_of_row, restore_shape):
+    """The inverse of :func:`gather_permute` (no probabilities): each token's rows summed."""
+    num_tokens = restore_shape[0]
+    _, sum_rows = row_functions()
+    topk = token_of_row.shape[0] // num_tokens
+    return sum_rows.apply(permuted_tokens, rows_of_tokens(token_of_row, num_tokens, topk), token_of_row)
+
+
+def _permute_factory(original):
+    row_functions()  # classes are built here, not while dynamo traces
+
+    @functools.wraps(original)
+    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False,
+                tokens_per_expert=None, align_size=0):
+        topk = _PERMUTE_TOPK[0]
+        if (topk and fused and not drop_and_pad and not align_size and _tracing() and tokens.dim() == 2
+                and isinstance(num_out_tokens, int) and num_out_tokens == routing_map.shape[0] * topk):
+            permuted, permuted_probs, token_of_row = gather_permute(tokens, routing_map, probs, num_out_tokens, topk)
+            return permuted, permuted_probs, token_of_row, None, tokens_per_expert
+        return original(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
+                        drop_and_pad=drop_and_pad, tokens_per_expert=tokens_per_expert, align_size=align_size)
+
+    return permute
+
+
+def _unpermute_factory(original):
+    row_functions()
+
+    @functools.wraps(original)
+    def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None, fused=False,
+                  drop_and_pad=False, pad_offsets=None):
+        # A 1-D row map with fused=True comes only from gather_permute (TE's mask map is 2-D):
+        # honour it eagerly too, should the permutation have been traced and this call not.
+        if fused and sorted_indices.dim() == 1:
+            if probs is not None or drop_and_pad or pad_offsets is not None:
+                raise PatchsetError("compile.moe_permutation_traceable: a gathered permutation cannot be "
+                                    "undone with merging probabilities, drop-and-pad or padding offsets")
+            return sum_unpermute(permuted_tokens, sorted_indices, restore_shape)
+        return original(permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
+                        fused=fused, drop_and_pad=drop_and_pad, pad_offsets=pad_offsets)
+
+    return unpermute
+
+
+def _traceable_permutation(args: Any) -> bool:
+    return traceable_substitutes(args) and bool(getattr(args, "moe_permute_fusion", False))
+
+
+PERMUTATION_PATCHES = ("compile.moe_permute_traceable", "compile.moe_unpermute_traceable")
+
+compile_patch(
+    PERMUTATION_PATCHES[0], f"{_TOKEN_DISPATCHER}.permute",
+    "--moe-permute-fusion's TE permute is Triton launched from Python on every compiled layer's host "
+    "path: while compiling, the dropless all-to-all permutation as a gather inductor fuses (gradient: "
+    "each token's k rows summed in fp32, no atomics)",
+    enabled=_traceable_permutation, flags=(FLAG, "--moe-permute-fusion"))(_permute_factory)
+compile_patch(
+    PERMUTATION_PATCHES[1], f"{_TOKEN_DISPATCHER}.unpermute",
+    "the inverse of compile.moe_permute_traceable: each token's k rows summed in fp32, as TE's "
+    "unpermute does; TE's row maps still go to TE",
+    enabled=_traceable_permutation, flags=(FLAG, "--moe-permute-fusion"))(_unpermute_factory)
+
+
 PATCH_NAMES = tuple(EAGER_REGIONS) + (
     "compile.aux_loss_backward_opaque",
     "compile.tp_group_lookup_quiet",
@@ -925,8 +1103,10 @@ def configure_dynamo() -> None:
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
 
 
-def compile_layer(layer, options: CompileOptions, monitor: Optional[CompileMonitor]) -> None:
-    """Replace ``layer.forward`` (the instance attribute) with its compiled version."""
+def compile_layer(layer, options: CompileOptions, monitor: Optional[CompileMonitor],
+                  permute_topk: Optional[int] = None) -> None:
+    """Replace ``layer.forward`` (the instance attribute) with its compiled version.
+    ``permute_topk``: see :func:`permutation_topk` (None keeps TE's permutation)."""
     import torch
 
     original = layer.forward
@@ -934,8 +1114,9 @@ def compile_layer(layer, options: CompileOptions, monitor: Optional[CompileMonit
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        outer = _IN_COMPILED_LAYER[0]
+        outer = _IN_COMPILED_LAYER[0], _PERMUTE_TOPK[0]
         _IN_COMPILED_LAYER[0] = True
+        _PERMUTE_TOPK[0] = permute_topk
         _TE_CONTEXT_PLAIN[0] = te_context_plain()
         try:
             if monitor is not None and monitor.strict and layer.training:
@@ -943,17 +1124,18 @@ def compile_layer(layer, options: CompileOptions, monitor: Optional[CompileMonit
                     return compiled(*args, **kwargs)
             return compiled(*args, **kwargs)
         finally:
-            _IN_COMPILED_LAYER[0] = outer
+            _IN_COMPILED_LAYER[0], _PERMUTE_TOPK[0] = outer
 
     forward.__megatron_patchset_compiled__ = True
     layer.forward = forward
 
 
-def _prepare_token_dispatcher(layer) -> None:
+def _prepare_token_dispatcher(layer) -> Optional[int]:
     """The all-to-all dispatcher copies split sizes to the host before permutation 1 (inside the
     compiled ``preprocess``); move that copy to just before the all-to-all (inside the eager
     ``dispatch``), as megatron does when it CUDA-graphs ``moe_preprocess``. Not possible when a
-    capacity factor without padding makes the host sync itself happen before permutation 1."""
+    capacity factor without padding makes the host sync itself happen before permutation 1.
+    Returns the layer's top-k for the gathered permutation (:func:`permutation_topk`), or None."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     dispatcher = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
@@ -961,6 +1143,16 @@ def _prepare_token_dispatcher(layer) -> None:
         config = dispatcher.config
         if config.moe_expert_capacity_factor is None or config.moe_pad_expert_input_to_capacity:
             dispatcher.cuda_dtoh_point = "before_ep_alltoall"
+    return layer_permutation_topk(layer)
+
+
+def layer_permutation_topk(layer) -> Optional[int]:
+    """:func:`permutation_topk` of the layer's dispatcher when both permutation patches are
+    applied (both directions or neither: TE's unpermute cannot undo a gathered permutation)."""
+    dispatcher = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
+    if dispatcher is None or not all(name in applied() for name in PERMUTATION_PATCHES):
+        return None
+    return permutation_topk(dispatcher)
 
 
 def compile_transformer_layers(model_chunks: list, options: CompileOptions,
@@ -983,8 +1175,7 @@ def compile_transformer_layers(model_chunks: list, options: CompileOptions,
     for index, chunk in enumerate(model_chunks):
         for name, module in chunk.named_modules():
             if isinstance(module, TransformerLayer):
-                _prepare_token_dispatcher(module)
-                compile_layer(module, options, monitor)
+                compile_layer(module, options, monitor, permute_topk=_prepare_token_dispatcher(module))
                 names.append(f"{index}:{name}")
     if monitor is not None and model_chunks:
         model_chunks[0].register_forward_pre_hook(monitor.pre_forward)
@@ -999,6 +1190,19 @@ def traceable_norm_count(model_chunks: list) -> int:
 
 def _attention_block_applied() -> bool:
     return any(name in applied() for name in ATTENTION_BLOCK_PATCHES)
+
+
+def permutation_report(model_chunks: list) -> str:
+    """"; MoE permutation as gathers in N of M MoE layers" when the permutation patches apply."""
+    if not all(name in applied() for name in PERMUTATION_PATCHES):
+        return ""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    moe = [m for chunk in model_chunks for m in chunk.modules()
+           if isinstance(m, TransformerLayer) and getattr(getattr(m, "mlp", None), "token_dispatcher", None)]
+    gathered = sum(1 for m in moe if layer_permutation_topk(m))
+    return (f"; MoE permutation as gathers in {gathered} of {len(moe)} MoE layers"
+            + ("" if gathered == len(moe) else " (the others: TE's kernels; dropless all-to-all only)"))
 
 
 def pre_wrap_hook(args: Any) -> Callable[[list], list]:
@@ -1016,7 +1220,8 @@ def pre_wrap_hook(args: Any) -> Callable[[list], list]:
                if options.te_kernels else
                f"TE norms ({traceable_norm_count(model_chunks)} in the model), the router and RoPE"
                + f" trace as torch code while compiling (inductor fuses them; {TE_KERNELS_FLAG} keeps TE's kernels)"
-               + (f"; {attention_block_report(model_chunks)}" if _attention_block_applied() else ""))
+               + (f"; {attention_block_report(model_chunks)}" if _attention_block_applied() else "")
+               + permutation_report(model_chunks))
         )
         return model_chunks
 

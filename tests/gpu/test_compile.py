@@ -38,6 +38,8 @@ def compile_reports(run):
 
 LAYOUTS = {
     "compile_1gpu": (1, (), None),
+    # TE's fused permutation eagerly, the gathered one while compiling (compile.moe_permute_traceable)
+    "compile_1gpu_permute_fusion": (1, ("--moe-permute-fusion",), None),
     "compile_2gpu_ep2": (2, ("--expert-model-parallel-size", "2"), None),
     "compile_2gpu_fsdp": (2, FSDP, FSDP_ENV),
 }
@@ -107,6 +109,16 @@ def test_compiled_matches_eager_one_gpu(runs):
     reasons = list(compile_reports(compiled)[0]["graph_break_reasons"])
     assert reasons and not [name for name in TE_ATTENTION_BREAKS if name in " ".join(reasons)], reasons
     # What is left is the MoE layer's three eager regions, nothing else.
+    assert all(any(f"MoELayer.{region}" in reason for region in MOE_EAGER_REGIONS) for reason in reasons), reasons
+
+
+@pytest.mark.gpus(1)
+def test_gathered_permutation_matches_te_permute_fusion(runs):
+    _, compiled = compare(runs, "compile_1gpu_permute_fusion")
+    with open(compiled.log, errors="replace") as handle:
+        log = handle.read()
+    assert "MoE permutation as gathers in 4 of 4 MoE layers" in log
+    reasons = list(compile_reports(compiled)[0]["graph_break_reasons"])
     assert all(any(f"MoELayer.{region}" in reason for region in MOE_EAGER_REGIONS) for reason in reasons), reasons
 
 
