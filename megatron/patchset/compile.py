@@ -934,8 +934,8 @@ def _unpermute_factory(original):
         # honour it eagerly too, should the permutation have been traced and this call not.
         if fused and sorted_indices.dim() == 1:
             if probs is not None or drop_and_pad or pad_offsets is not None:
-                raise PatchsetError("compile.moe_permutation_traceable: a gathered permutation cannot be "
-                                    "undone with merging probabilities, drop-and-pad or padding offsets")
+                raise PatchsetError(f"{PERMUTATION_PATCHES[1]}: a gathered permutation cannot be undone "
+                                    "with merging probabilities, drop-and-pad or padding offsets")
             return sum_unpermute(permuted_tokens, sorted_indices, restore_shape)
         return original(permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
                         fused=fused, drop_and_pad=drop_and_pad, pad_offsets=pad_offsets)
@@ -1130,27 +1130,35 @@ def compile_layer(layer, options: CompileOptions, monitor: Optional[CompileMonit
     layer.forward = forward
 
 
-def _prepare_token_dispatcher(layer) -> Optional[int]:
+def _prepare_token_dispatcher(layer) -> None:
     """The all-to-all dispatcher copies split sizes to the host before permutation 1 (inside the
     compiled ``preprocess``); move that copy to just before the all-to-all (inside the eager
     ``dispatch``), as megatron does when it CUDA-graphs ``moe_preprocess``. Not possible when a
-    capacity factor without padding makes the host sync itself happen before permutation 1.
-    Returns the layer's top-k for the gathered permutation (:func:`permutation_topk`), or None."""
+    capacity factor without padding makes the host sync itself happen before permutation 1."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    dispatcher = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
+    dispatcher = _token_dispatcher(layer)
     if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
         config = dispatcher.config
         if config.moe_expert_capacity_factor is None or config.moe_pad_expert_input_to_capacity:
             dispatcher.cuda_dtoh_point = "before_ep_alltoall"
-    return layer_permutation_topk(layer)
+
+
+def _token_dispatcher(layer):
+    """The MoE layer's token dispatcher, None for a dense layer."""
+    return getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
+
+
+def _permutation_applied() -> bool:
+    """Both permutation patches (both directions or neither: TE's unpermute cannot undo a
+    gathered permutation)."""
+    return all(name in applied() for name in PERMUTATION_PATCHES)
 
 
 def layer_permutation_topk(layer) -> Optional[int]:
-    """:func:`permutation_topk` of the layer's dispatcher when both permutation patches are
-    applied (both directions or neither: TE's unpermute cannot undo a gathered permutation)."""
-    dispatcher = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
-    if dispatcher is None or not all(name in applied() for name in PERMUTATION_PATCHES):
+    """:func:`permutation_topk` of the layer's dispatcher when :func:`_permutation_applied`."""
+    dispatcher = _token_dispatcher(layer)
+    if dispatcher is None or not _permutation_applied():
         return None
     return permutation_topk(dispatcher)
 
@@ -1175,7 +1183,8 @@ def compile_transformer_layers(model_chunks: list, options: CompileOptions,
     for index, chunk in enumerate(model_chunks):
         for name, module in chunk.named_modules():
             if isinstance(module, TransformerLayer):
-                compile_layer(module, options, monitor, permute_topk=_prepare_token_dispatcher(module))
+                _prepare_token_dispatcher(module)
+                compile_layer(module, options, monitor, permute_topk=layer_permutation_topk(module))
                 names.append(f"{index}:{name}")
     if monitor is not None and model_chunks:
         model_chunks[0].register_forward_pre_hook(monitor.pre_forward)
@@ -1194,12 +1203,12 @@ def _attention_block_applied() -> bool:
 
 def permutation_report(model_chunks: list) -> str:
     """"; MoE permutation as gathers in N of M MoE layers" when the permutation patches apply."""
-    if not all(name in applied() for name in PERMUTATION_PATCHES):
+    if not _permutation_applied():
         return ""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     moe = [m for chunk in model_chunks for m in chunk.modules()
-           if isinstance(m, TransformerLayer) and getattr(getattr(m, "mlp", None), "token_dispatcher", None)]
+           if isinstance(m, TransformerLayer) and _token_dispatcher(m) is not None]
     gathered = sum(1 for m in moe if layer_permutation_topk(m))
     return (f"; MoE permutation as gathers in {gathered} of {len(moe)} MoE layers"
             + ("" if gathered == len(moe) else " (the others: TE's kernels; dropless all-to-all only)"))
