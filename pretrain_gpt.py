@@ -64,9 +64,9 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 from megatron.patchset import __version__ as patchset_version  # noqa: E402
-from megatron.patchset import arguments as ps_args  # noqa: E402
-from megatron.patchset import dry_run, models, patches  # noqa: E402
-from megatron.patchset import training as ps_training  # noqa: E402
+from megatron.patchset.core import dry_run, model_hooks, registry, rules, versions  # noqa: E402
+from megatron.patchset.core.flags import add_patchset_args  # noqa: E402
+from megatron.patchset.core.observe import metrics  # noqa: E402
 
 # A loss this many times the largest seen so far is reported as a spike (--check-for-spiky-loss).
 SPIKY_LOSS_FACTOR = 10
@@ -293,10 +293,10 @@ def model_config_from_args(args):
     local``; ``--spec`` overrides it as upstream.
     """
     transformer_config = core_transformer_config_from_args(args)
-    ps_args.validate(args, "combination", config=transformer_config)
-    models.configure_transformer_config(args, transformer_config)
+    rules.validate(args, "combination", config=transformer_config)
+    model_hooks.configure_transformer_config(args, transformer_config)
     model_config = gpt_config_from_args(args, config=transformer_config)
-    model_config.pre_wrap_hooks.extend(models.pre_wrap_hooks(args))
+    model_config.pre_wrap_hooks.extend(model_hooks.pre_wrap_hooks(args))
     return model_config
 
 
@@ -321,17 +321,17 @@ def main() -> None:
         sys.exit(dry_run.run())
     print_rank_0(
         f"> megatron-patchset {patchset_version} on megatron-core "
-        f"{patches.installed_mcore_version()}, torch {torch.__version__}, "
-        f"transformer-engine {patches.installed_te_version() or 'not installed'}"
+        f"{versions.installed_mcore_version()}, torch {torch.__version__}, "
+        f"transformer-engine {versions.installed_te_version() or 'not installed'}"
     )
     try:
-        ps_args.validate(parse_args(ps_args.add_patchset_args), "layout")
-        args = parse_and_validate_args(extra_args_provider=ps_args.add_patchset_args)
+        rules.validate(parse_args(add_patchset_args), "layout")
+        args = parse_and_validate_args(extra_args_provider=add_patchset_args)
         model_config = model_config_from_args(args)
-    except ps_args.PatchsetArgumentError as exc:
+    except rules.PatchsetArgumentError as exc:
         sys.exit(str(exc))
     _check_runtime(args)
-    applied = patches.apply(args)
+    applied = registry.apply(args)
     print_rank_0(f"> megatron-patchset patches applied: {', '.join(applied) or 'none'}")
     pretrain(
         pretrain_cfg_container_from_args(args, model_config),
@@ -340,7 +340,7 @@ def main() -> None:
         forward_step,
         get_embedding_ranks=get_embedding_ranks,
     )
-    ps_training.write_summary()
+    metrics.write_summary()
 
 
 if __name__ == "__main__":

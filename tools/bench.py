@@ -31,7 +31,7 @@ Leading ``NAME=VALUE`` tokens of a variant are environment variables of that var
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
 micro-batch-size=1,2,4``); ``--set FLAG=VALUE`` overrides the config for all variants.
 ``--profile-iteration N`` runs iteration N of every variant under ``torch.profiler`` (every
-rank; ``megatron/patchset/profiling.py``) and prints a second table: pipeline P2P kernel time
+rank; ``megatron/patchset/core/observe/profile.py``) and prints a second table: pipeline P2P kernel time
 per direction and its exposed part (no compute kernel running), mean over ranks.
 """
 
@@ -51,7 +51,10 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.patchset import argsfile, profiling, training  # noqa: E402
+from megatron.patchset.core import argsfile  # noqa: E402
+from megatron.patchset.core.observe import trace_summary  # noqa: E402
+from megatron.patchset.core.observe.metrics import FWD_BWD_ENV  # noqa: E402
+from megatron.patchset.core.observe.profile import PROFILE_ENV  # noqa: E402
 
 # Dense bf16 matrix-multiply rate used as the MFU denominator, TFLOP/s. For Hopper it is the
 # rate measured on this workplace's H100/H200 (788-798 TFLOP/s for 8192^3 bf16 GEMMs); the
@@ -110,7 +113,7 @@ def device_facts() -> dict:
     except ImportError:
         pass
     try:
-        from megatron.patchset.patches import installed_mcore_version
+        from megatron.patchset.core.versions import installed_mcore_version
 
         facts["megatron_core"] = installed_mcore_version()
     except ImportError:
@@ -219,7 +222,7 @@ def tail(path: str, lines: int = 25) -> str:
 
 
 def read_profiles(folder: str) -> list[dict]:
-    """The per-rank summaries megatron/patchset/profiling.py wrote under ``folder``."""
+    """The per-rank summaries megatron/patchset/core/observe/profile.py wrote under ``folder``."""
     paths = [os.path.join(folder, "summary.json")]
     if os.path.isdir(folder):
         paths += sorted(os.path.join(folder, d, "summary.json") for d in os.listdir(folder) if d.startswith("rank"))
@@ -259,7 +262,7 @@ def profile_columns(summaries: list[dict]) -> dict:
 def pipeline_pairs(summaries: list[dict]) -> list[dict]:
     """For each rank whose pipeline group has two ranks (PP=2: both directions go to the same
     peer), its P2P kernels split into peer wait and transfer against the peer's
-    (``profiling.split_p2p_wait``). Ranks whose peer's summary is missing are left out."""
+    (``trace_summary.split_p2p_wait``). Ranks whose peer's summary is missing are left out."""
     by_rank = {s.get("rank"): s for s in summaries if s.get("rank") is not None}
     out = []
     for summary in summaries:
@@ -269,7 +272,7 @@ def pipeline_pairs(summaries: list[dict]) -> list[dict]:
         peer = by_rank.get(group[1] if group[0] == summary["rank"] else group[0])
         if peer is None:
             continue
-        split = profiling.split_p2p_wait(summary.get("p2p_kernels") or [], peer.get("p2p_kernels") or [])
+        split = trace_summary.split_p2p_wait(summary.get("p2p_kernels") or [], peer.get("p2p_kernels") or [])
         if split is not None:
             out.append(split)
     return out
@@ -302,7 +305,7 @@ def format_profile_table(rows: list[dict]) -> str:
                       cell(r, "p2p_forward_kernel_ms_mean"), cell(r, "p2p_forward_exposed_ms_mean"),
                       cell(r, "gpu_idle_ms_mean"), versus(r.get("p2p_backward_exposed_ms_mean"), base),
                       versus(r.get("p2p_backward_transfer_exposed_ms_mean"), base_transfer)])
-    return profiling.markdown_table(table)
+    return trace_summary.markdown_table(table)
 
 
 REPEAT_MARK = "#"
@@ -371,7 +374,7 @@ def format_pooled_table(pooled: list[dict]) -> str:
                     " / ".join(f"{t:.1f}" for t in r.get("fwd_bwd_ms_per_run", []) if t) or "-",
                     f"{first['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ok else "-"]
         table.append(row)
-    return profiling.markdown_table(table)
+    return trace_summary.markdown_table(table)
 
 
 def is_upstream(name: str, flags: list) -> bool:
@@ -412,7 +415,7 @@ def format_table(rows: list[dict], peak: Optional[float]) -> str:
                         f"{100 * r['fwd_bwd_mfu']:.1f}%" if r.get("fwd_bwd_mfu") is not None else "-",
                         f"{first['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ok else "-"]
         table.append(row)
-    return profiling.markdown_table(table)
+    return trace_summary.markdown_table(table)
 
 
 def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
@@ -481,7 +484,7 @@ def main(argv=None) -> int:
     p.add_argument("--title", default=None, help="chart title.")
     p.add_argument("--profile-iteration", type=int, default=None,
                    help="run this iteration (1-based, after the warm-up) of every variant under "
-                        "torch.profiler (megatron/patchset/profiling.py, every rank) and add a table "
+                        "torch.profiler (megatron/patchset/core/observe/profile.py, every rank) and add a table "
                         "of exposed pipeline P2P time; the iteration is left out of the step time.")
     p.add_argument("--time-fwd-bwd", action="store_true",
                    help="time megatron's forward-backward call from outside, between two device "
@@ -530,12 +533,12 @@ def main(argv=None) -> int:
             else:
                 entry = [os.path.join(ROOT, "pretrain_gpt.py")]
             if opts.time_fwd_bwd:
-                env[training.FWD_BWD_ENV] = "1"
+                env[FWD_BWD_ENV] = "1"
             safe = label.replace(" ", "_").replace("=", "-").replace("/", "-")
             profile_dir = None
             if opts.profile_iteration is not None:
                 profile_dir = os.path.abspath(os.path.join(opts.out, f"{safe}-profile"))
-                env[profiling.PROFILE_ENV] = f"{profile_dir}:{opts.profile_iteration}"
+                env[PROFILE_ENV] = f"{profile_dir}:{opts.profile_iteration}"
             if opts.report_only:
                 metrics, log = variant_files(opts.out, safe)
                 code = 0 if os.path.exists(metrics) else 2

@@ -6,8 +6,8 @@
 
 Trains the config through ``pretrain_gpt.py`` under ``torchrun`` (as ``tools/bench.py`` does,
 with its helpers) for ``--warmup`` + 1 iterations, with ``MEGATRON_PATCHSET_PROFILE`` set so
-that the observe patch ``training.observe_train_step`` (``megatron/patchset/profiling.py``) runs the
-last iteration under ``torch.profiler`` with labels on megatron's attention, router, dispatch,
+that the observe patch ``training.observe_train_step`` (``megatron.patchset.core.observe.profile``)
+runs the last iteration under ``torch.profiler`` with labels on megatron's attention, router, dispatch,
 permutation, expert, combine and optimizer code. Rank 0 writes ``<out>/trace.json`` (open it in
 Perfetto or chrome://tracing) and ``<out>/summary.json``; this tool prints the summary as
 Markdown: host time per category (forward and backward), kernel launches, device-to-host syncs
@@ -32,8 +32,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import bench  # noqa: E402
-from megatron.patchset import argsfile  # noqa: E402
-from megatron.patchset import profiling  # noqa: E402
+from megatron.patchset.core import argsfile  # noqa: E402
+from megatron.patchset.core.observe import profile, trace_summary  # noqa: E402
 
 
 def build_argv(config: str, sets: list, flags: str, iters: int) -> list[str]:
@@ -84,7 +84,7 @@ def report(summary: dict, extra: dict | None = None) -> str:
     if extra and extra.get("warm_step_ms"):
         head.append(f"unprofiled step time (median of warm-up iterations 3..): {extra['warm_step_ms']:.2f} ms; "
                     f"profiled iteration: {extra.get('profiled_step_ms') or float('nan'):.2f} ms")
-    return "\n".join(head + ["", profiling.format_summary(summary)])
+    return "\n".join(head + ["", trace_summary.format_summary(summary)])
 
 
 def main(argv=None) -> int:
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         return 0
     if opts.trace:
         with open(opts.trace) as handle:
-            print(report(profiling.summarize_trace(json.load(handle).get("traceEvents", []))))
+            print(report(trace_summary.summarize_trace(json.load(handle).get("traceEvents", []))))
         return 0
     if not opts.config:
         p.error("--config is required (or --summary / --trace)")
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     if os.path.exists(summary_path):
         os.remove(summary_path)
     train_argv = build_argv(opts.config, opts.set, opts.flags, iteration)
-    env = {profiling.PROFILE_ENV: f"{out}:{iteration}"}
+    env = {profile.PROFILE_ENV: f"{out}:{iteration}"}
     if opts.upstream:
         env["MEGATRON_PATCHSET"] = "off"
     entry = [os.path.join(ROOT, "pretrain_gpt.py")]

@@ -25,15 +25,16 @@ def main() -> None:
     sys.argv = [script] + sys.argv[2:]
     sys.path.insert(0, os.path.dirname(script))
 
-    from megatron.patchset import patches, training
+    from megatron.patchset.core import registry
+    from megatron.patchset.core.observe import metrics
 
-    applied = patches.apply_patches(
-        [p for p in patches.registered() if p.kind != "feature" and p.wanted(None)]
+    applied = registry.apply_patches(
+        [p for p in registry.registered() if p.kind != "feature" and p.wanted(None)]
     )
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"> run_upstream: {script} with patches: {', '.join(applied) or 'none'}", flush=True)
     runpy.run_path(script, run_name="__main__")
-    training.write_summary()
+    metrics.write_summary()
 
 
 if __name__ == "__main__":

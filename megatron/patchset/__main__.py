@@ -1,41 +1,38 @@
-"""``python -m megatron.patchset --list``: the patch registry as a table."""
+"""``python -m megatron.patchset``: the registry by feature (``--list``) and the version guard."""
 
 import argparse
 import sys
 
-from megatron.patchset import __version__, patches
+from megatron.patchset import __version__
+from megatron.patchset.core import listing, versions
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m megatron.patchset",
-        description="megatron-patchset: patches over megatron-core "
-        f"{patches.SUPPORTED_MCORE_VERSION}.",
+        description=f"megatron-patchset {__version__}: patches over megatron-core "
+        f"{versions.SUPPORTED_MCORE_VERSION}, grouped by feature.",
     )
-    parser.add_argument("--list", action="store_true", help="Print the registered patches.")
-    parser.add_argument(
-        "--reasons", action="store_true", help="With --list, add a column with each patch's reason."
-    )
-    parser.add_argument(
-        "--check-versions",
-        action="store_true",
-        help="Check the installed megatron-core and TransformerEngine versions and exit.",
-    )
+    parser.add_argument("--list", action="store_true",
+                        help="Print every feature with its flags, rules and patches.")
+    parser.add_argument("--reasons", action="store_true",
+                        help="With --list, add each patch's reason.")
+    parser.add_argument("--check-versions", action="store_true",
+                        help="Check the installed megatron-core and TransformerEngine versions and exit.")
     opts = parser.parse_args(argv)
     if opts.check_versions:
         try:
-            patches.check_versions()
-        except patches.PatchsetVersionError as exc:
+            versions.check_versions()
+        except versions.PatchsetVersionError as exc:
             print(exc, file=sys.stderr)
             return 1
-        te = patches.installed_te_version() or "not installed"
-        print(f"megatron-core {patches.installed_mcore_version()}, transformer-engine {te}: OK")
+        te = versions.installed_te_version() or "not installed"
+        print(f"megatron-core {versions.installed_mcore_version()}, transformer-engine {te}: OK")
         return 0
     if not opts.list:
         parser.print_help()
         return 0
-    print(f"megatron-patchset {__version__} (megatron-core {patches.SUPPORTED_MCORE_VERSION})")
-    print(patches.format_table(reasons=opts.reasons))
+    print(listing.format_list(reasons=opts.reasons))
     return 0
 
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from megatron.patchset.core import argsfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "examples", "configs", "tiny_moe.args")
@@ -163,7 +164,6 @@ def launch_many(jobs, *, timeout=900):
 
 
 def tiny_argv(*extra):
-    from megatron.patchset import argsfile
 
     return argsfile.read(TINY) + list(extra)
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from megatron.patchset.core import argsfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "examples", "configs", "tiny_moe.args")
@@ -13,7 +14,7 @@ REFERENCE = os.path.join(ROOT, "examples", "configs", "reference_moe.args")
 
 def parse(argv, world_size=1):
     """megatron's parse_args with the fork's flags, as pretrain_gpt.py parses them."""
-    from megatron.patchset.arguments import add_patchset_args
+    from megatron.patchset.core.flags import add_patchset_args
     from megatron.training.arguments import parse_args
 
     saved_argv, saved_ws = sys.argv, os.environ.get("WORLD_SIZE")
@@ -30,9 +31,23 @@ def parse(argv, world_size=1):
 
 
 def tiny_argv(*extra):
-    from megatron.patchset import argsfile
 
     return argsfile.read(TINY) + list(extra)
+
+
+@pytest.fixture(autouse=True)
+def _attention_backend_env():
+    """megatron's model constructor sets NVTE_{FLASH,FUSED,UNFUSED}_ATTN for its attention backend
+    and refuses to build a model with another backend while they are set: a model built in one
+    test must not decide the backend of the next test's model."""
+    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    saved = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture
@@ -46,7 +61,7 @@ def validated(argv, world_size=1):
     import contextlib
     import io
 
-    from megatron.patchset.dry_run import target_device
+    from megatron.patchset.core.dry_run import target_device
     from megatron.training.arguments import validate_args
 
     args = parse(argv, world_size)
@@ -70,3 +85,38 @@ def run_example(path, env=None, *, drop=()):
 def dry_run_example(path, *, drop=(), **knobs):
     """``run_example`` in the launcher's ``DRY_RUN=1`` mode, with knobs as environment variables."""
     return run_example(path, {"DRY_RUN": "1", **knobs}, drop=drop)
+
+
+def failures(argv, world_size=1, phase="layout", config=None):
+    """{rule name: message} of the rules of ``phase`` that fail for ``argv``."""
+    from megatron.patchset.core import rules
+
+    args = parse(argv, world_size)
+    try:
+        rules.validate(args, phase, config=config)
+    except rules.PatchsetArgumentError as exc:
+        return {rule.name: message for rule, message in exc.failures}
+    return {}
+
+
+def combination_failures(argv, world_size):
+    """Combination-phase failures after megatron's validate_args and TransformerConfig, as
+    pretrain_gpt.py runs them (device queries answered as on the target GPU)."""
+    import contextlib
+    import io
+
+    from megatron.patchset.core import rules
+    from megatron.patchset.core.dry_run import target_device
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.arguments import validate_args
+
+    args = parse(argv, world_size)
+    args.rank = 0
+    with target_device(), contextlib.redirect_stdout(io.StringIO()):
+        validate_args(args, {})
+        config = core_transformer_config_from_args(args)
+    try:
+        rules.validate(args, "combination", config=config)
+    except rules.PatchsetArgumentError as exc:
+        return {rule.name: message for rule, message in exc.failures}
+    return {}

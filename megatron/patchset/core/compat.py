@@ -1,0 +1,79 @@
+"""Compat patches: what running from the megatron-core wheel needs.
+
+``datasets.compile_helpers``: on rank 0, ``megatron.training.initialize`` calls
+``megatron.core.datasets.utils.compile_helpers``, which runs ``make`` in the installed
+``megatron/core/datasets`` folder. The megatron-core wheel ships the compiled extension (``helpers_cpp``) but no Makefile, so upstream's call fails and
+exits the job. The replacement uses the shipped extension when it imports, and otherwise builds
+``helpers.cpp`` itself with the C++ compiler and pybind11 into the same folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+
+from megatron.patchset.core.registry import patch
+
+logger = logging.getLogger(__name__)
+
+
+def _helpers_importable() -> bool:
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    return True
+
+
+def _build_command(folder: str) -> list[str]:
+    """g++ command line that builds helpers.cpp into helpers_cpp<EXT_SUFFIX> in ``folder``."""
+    import pybind11  # only needed when the wheel's extension is unusable
+
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return [
+        os.environ.get("CXX", "g++"),
+        "-O3",
+        "-Wall",
+        "-shared",
+        "-std=c++11",
+        "-fPIC",
+        "-fdiagnostics-color",
+        f"-I{sysconfig.get_paths()['include']}",
+        f"-I{pybind11.get_include()}",
+        os.path.join(folder, "helpers.cpp"),
+        "-o",
+        os.path.join(folder, f"helpers_cpp{suffix}"),
+    ]
+
+
+@patch(
+    "datasets.compile_helpers",
+    "megatron.core.datasets.utils.compile_helpers",
+    reason="the wheel ships the built dataset helpers but no Makefile, so upstream's `make` fails",
+    upstream_pr="fork-only (wheel packaging)",
+    kind="compat",
+)
+def _compile_helpers(_original):
+    return compile_helpers
+
+
+def compile_helpers() -> None:
+    """Make sure the C++ dataset helpers are importable; build them only if they are not."""
+    if _helpers_importable():
+        logger.info("dataset helpers: using the compiled extension shipped with megatron-core")
+        return
+    folder = os.path.dirname(importlib.import_module("megatron.core.datasets").__file__)
+    try:
+        command = _build_command(folder)
+    except ImportError:
+        sys.exit(
+            "megatron-patchset: megatron.core.datasets.helpers_cpp does not import and "
+            "pybind11 is missing to build it: pip install pybind11"
+        )
+    print(f"> building dataset helpers: {' '.join(command)}", flush=True)
+    if subprocess.run(command).returncode != 0 or not _helpers_importable():
+        sys.exit("megatron-patchset: failed to build megatron/core/datasets/helpers.cpp")

@@ -1,0 +1,357 @@
+"""``pretrain_gpt.py --dry-run``: check a flag combination on a login node, without a GPU.
+
+It runs what a real launch runs before it touches a GPU (megatron's argument parsing and
+validation, the model's ``TransformerConfig`` with its ``__post_init__`` checks, and the fork's
+rules) for the world size given by ``--dry-run-world-size`` or ``WORLD_SIZE``, then prints
+the parallel layout, the fork features and patches the run would use, megatron's parameter
+count and theoretical memory estimate, and the packages the run needs.
+
+The check is about the combination, not the installation: where no GPU or no
+TransformerEngine is present, megatron's device and version queries answer as on the fork's
+target (a Hopper GPU, sm_90, with TransformerEngine 2.20.2) for the duration of the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import logging
+import sys
+import types
+from typing import Callable, Iterator, Optional
+
+from megatron.patchset.core import features, flags, registry, rules, versions
+
+TARGET_CAPABILITY = (9, 0)
+TARGET_DEVICE_NAME = "NVIDIA H100 80GB HBM3 (dry-run target)"
+TARGET_TE_VERSION = versions.SUPPORTED_TE_RANGE[0]
+
+
+# Module attributes that megatron sets to None when TransformerEngine is missing and that
+# TransformerConfig.__post_init__ checks for.
+_TE_KERNELS = (
+    ("megatron.core.models.common.embeddings.rope_utils", ("fused_apply_rotary_pos_emb",)),
+    (
+        "megatron.core.transformer.moe.moe_utils",
+        (
+            "fused_permute",
+            "fused_permute_with_probs",
+            "fused_sort_chunks_by_index",
+            "fused_sort_chunks_by_index_with_probs",
+            "fused_unpermute",
+        ),
+    ),
+)
+
+
+def _not_on_this_machine(*_args, **_kwargs):
+    raise RuntimeError("dry-run stand-in for a TransformerEngine kernel was called")
+
+
+@contextlib.contextmanager
+def target_device() -> Iterator[list[str]]:
+    """Answer megatron's device/TE queries as the target machine would, if this one can't.
+
+    Yields the list of emulated facts (empty on a machine with a GPU and TE).
+    """
+    import torch
+    import megatron.core.utils as mcore_utils
+
+    emulated: list[str] = []
+    saved: list[tuple[object, str, object]] = []
+
+    def swap(owner, name, value):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    if not torch.cuda.is_available():
+        props = types.SimpleNamespace(
+            major=TARGET_CAPABILITY[0],
+            minor=TARGET_CAPABILITY[1],
+            name=TARGET_DEVICE_NAME,
+            total_memory=80 * 1024**3,
+            multi_processor_count=132,
+        )
+        swap(torch.cuda, "get_device_capability", lambda *a, **k: TARGET_CAPABILITY)
+        swap(torch.cuda, "get_device_properties", lambda *a, **k: props)
+        emulated.append(f"GPU: sm_{TARGET_CAPABILITY[0]}{TARGET_CAPABILITY[1]} ({TARGET_DEVICE_NAME})")
+    if importlib.util.find_spec("transformer_engine") is None:
+        from packaging.version import Version
+
+        swap(mcore_utils, "_te_version", Version(TARGET_TE_VERSION))
+        # TransformerConfig checks that TE's fused kernels imported (RoPE fusion is on by
+        # default; --moe-permute-fusion); stand in for them while the config is built.
+        for module, names in _TE_KERNELS:
+            owner = importlib.import_module(module)
+            for name in names:
+                if getattr(owner, name, None) is None:
+                    swap(owner, name, _not_on_this_machine)
+        emulated.append(f"transformer-engine {TARGET_TE_VERSION}")
+    try:
+        yield emulated
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def required_packages(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(package, why) for everything the run will import beyond torch and megatron-core."""
+    need = [("megatron-core==" + versions.SUPPORTED_MCORE_VERSION, "pinned upstream")]
+    te = f"transformer-engine[pytorch]=={TARGET_TE_VERSION}"
+    if args.transformer_impl == "transformer_engine":
+        need.append((te, "--transformer-impl transformer_engine"))
+    tokenizer_pkgs = {
+        "SentencePieceTokenizer": "sentencepiece",
+        "GPTSentencePieceTokenizer": "sentencepiece",
+        "Llama2Tokenizer": "sentencepiece",
+        "TikTokenizer": "tiktoken",
+        "HuggingFaceTokenizer": "transformers",
+        "GPT2BPETokenizer": "transformers",
+        "BertWordPieceLowerCase": "transformers",
+        "BertWordPieceCase": "transformers",
+    }
+    if args.tokenizer_type in tokenizer_pkgs:
+        need.append((tokenizer_pkgs[args.tokenizer_type], f"--tokenizer-type {args.tokenizer_type}"))
+    if getattr(args, "gradient_accumulation_fusion", False):
+        # megatron's own ColumnParallelLinear (the output layer, also with the TE spec) then
+        # needs apex's fused_weight_gradient_mlp_cuda extension.
+        need.append(("apex (fused_weight_gradient_mlp_cuda extension)",
+                     "gradient accumulation fusion, on by default; or pass --no-gradient-accumulation-fusion"))
+    if getattr(args, "wandb_project", None):
+        need.append(("wandb", "--wandb-project"))
+    if getattr(args, "tensorboard_dir", None):
+        need.append(("tensorboard", "--tensorboard-dir"))
+    for feature in features.enabled(args):
+        need.extend(feature.packages(args))
+    return need
+
+
+def _import_name(package: str) -> Optional[str]:
+    base = package.split("[")[0].split("=")[0].split(" ")[0].strip()
+    if base == "apex":
+        return "fused_weight_gradient_mlp_cuda"
+    return {
+        "megatron-core": "megatron.core",
+        "transformer-engine": "transformer_engine",
+        "deep_ep": "deep_ep",
+    }.get(base, base.replace("-", "_"))
+
+
+def installed(package: str) -> bool:
+    """Whether a package of :func:`required_packages` imports on this machine."""
+    name = _import_name(package)
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _layout_lines(args: argparse.Namespace) -> list[str]:
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    ep = args.expert_model_parallel_size
+    pp = args.pipeline_model_parallel_size
+    expert_dp = args.world_size // (etp * ep * pp)
+    vpp = args.virtual_pipeline_model_parallel_size
+    return [
+        f"  world size ........................ {args.world_size}",
+        f"  tensor model parallel (TP) ........ {args.tensor_model_parallel_size}",
+        f"  pipeline model parallel (PP) ...... {pp}",
+        f"  virtual pipeline stages (VPP) ..... {vpp if vpp is not None else '-'}",
+        f"  context parallel (CP) ............. {args.context_parallel_size}",
+        f"  expert model parallel (EP) ........ {ep}",
+        f"  expert tensor parallel (ETP) ...... {etp}",
+        f"  data parallel (DP) ................ {args.data_parallel_size}",
+        f"  expert data parallel .............. {expert_dp}",
+        f"  micro-batches per step ............ "
+        f"{args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)}"
+        f" (global {args.global_batch_size}, micro {args.micro_batch_size})",
+    ]
+
+
+def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
+    """(total, active per token) parameters of the whole model, built on the meta device.
+
+    The model is built unsharded (all parallel sizes 1) with the local layer spec, which has the
+    same parameters as TransformerEngine's; nothing is allocated. Active parameters count
+    ``moe_router_topk`` of the ``num_moe_experts`` routed experts.
+    """
+    import dataclasses
+
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+
+    if torch.distributed.is_initialized():
+        raise RuntimeError("count_parameters builds its own single-process group")
+    single = dataclasses.replace(
+        config,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=False,
+        pipeline_model_parallel_layout=None,
+        num_layers_in_first_pipeline_stage=None,
+        num_layers_in_last_pipeline_stage=None,
+        account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        mtp_num_layers=None,
+        # the dispatcher holds no parameters; all-gather's needs no CUDA stream at build time
+        moe_token_dispatcher_type="allgather",
+        moe_flex_dispatcher_backend="deepep",  # the config default: ncclep/hybridep checks need flex
+        moe_expert_rank_capacity_factor=None,
+        moe_paged_stash=False,
+        # schedule options that require expert parallelism, which the unsharded build drops
+        overlap_moe_expert_parallel_comm=False,
+        delay_wgrad_compute=False,
+        ep_overlap_early_attn_memory_release=False,
+    )
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        parallel_state.initialize_model_parallel()
+        if single.num_moe_experts:
+            spec = get_gpt_decoder_block_spec(single, use_transformer_engine=False)
+        else:
+            spec = get_gpt_layer_local_spec()
+        logging.disable(logging.WARNING)  # GPTModel's deprecation notice
+        with torch.device("meta"):
+            model = GPTModel(
+                config=single,
+                transformer_layer_spec=spec,
+                vocab_size=args.padded_vocab_size,
+                max_sequence_length=args.max_position_embeddings,
+                position_embedding_type=args.position_embedding_type,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            )
+        total = expert = 0
+        for name, param in model.named_parameters():
+            total += param.numel()
+            if ".experts." in name and "shared_experts" not in name:
+                expert += param.numel()
+        active = total - expert
+        if single.num_moe_experts:
+            active += expert * single.moe_router_topk // single.num_moe_experts
+        return total, active
+    finally:
+        logging.disable(logging.NOTSET)
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def _padded_vocab(args: argparse.Namespace) -> None:
+    """Set args.padded_vocab_size as megatron's tokenizer set-up would."""
+    if getattr(args, "padded_vocab_size", None):
+        return
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    if args.vocab_size:
+        vocab = args.vocab_size
+    else:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+        vocab = build_tokenizer(args).vocab_size
+    args.padded_vocab_size = vocab_size_with_padding(vocab, args, logging_enabled=False)
+
+
+def run(
+    argv: Optional[list[str]] = None,
+    extra_args_provider: Callable = flags.add_patchset_args,
+    out=None,
+) -> int:
+    """Run the dry-run check; returns the process exit code (0 = valid)."""
+    out = out or sys.stdout
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    def say(line=""):
+        print(line, file=out, flush=True)
+
+    saved_argv = sys.argv
+    sys.argv = [saved_argv[0] if saved_argv else "pretrain_gpt.py"] + argv
+    megatron_log = io.StringIO()
+    try:
+        with target_device() as emulated:
+            try:
+                args = parse_args(extra_args_provider)
+                if args.dry_run_world_size is not None:
+                    args.world_size = args.dry_run_world_size
+                args.rank = 0
+                rules.validate(args, "layout")
+                with contextlib.redirect_stdout(megatron_log):
+                    validate_args(args, {})
+                    config = core_transformer_config_from_args(args)
+                rules.validate(args, "combination", config=config)
+            except rules.PatchsetArgumentError as exc:
+                say(str(exc))
+                say("dry-run: INVALID")
+                return 2
+            except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
+                say(f"megatron argument validation failed: {type(exc).__name__}: {exc}")
+                say("dry-run: INVALID")
+                return 2
+
+            say("=" * 72)
+            say(f"megatron-patchset dry-run (megatron-core {versions.installed_mcore_version()})")
+            if emulated:
+                say("  checked as on the target machine: " + "; ".join(emulated))
+            say("parallel layout:")
+            for line in _layout_lines(args):
+                say(line)
+            enabled = features.enabled(args)
+            say("fork features enabled: " + ("; ".join(f.describe(args) for f in enabled) or "none"))
+            wanted = registry.wanted(args)
+            say(f"patches that would apply ({len(wanted)}):")
+            width = max(len(p.name) for p in wanted)
+            for p in wanted:
+                say(f"  {p.name:<{width}} {p.target}")
+            say(f"model: {type(config).__name__}, {args.num_layers} layers, hidden {args.hidden_size}, "
+                f"{args.num_experts or 0} experts (top-{args.moe_router_topk if args.num_experts else 0}), "
+                f"params {str(config.params_dtype).replace('torch.', '')}")
+            try:
+                _padded_vocab(args)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    total, active = count_parameters(args, config)
+                say(f"parameters: {total:,} in total, {active:,} active per token "
+                    f"(padded vocabulary {args.padded_vocab_size:,})")
+            except Exception as exc:
+                say(f"parameter count unavailable: {type(exc).__name__}: {exc}")
+            try:
+                from megatron.training.theoretical_memory_usage import report_theoretical_memory
+
+                num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+                estimate = io.StringIO()
+                with contextlib.redirect_stdout(estimate):
+                    report_theoretical_memory(args, num_microbatches=num_micro, verbose=True)
+                say("megatron's parameter count and theoretical memory (per GPU):")
+                for line in estimate.getvalue().splitlines():
+                    if line.strip() and "compute_activation_memory" not in line:
+                        say("  " + line.strip())
+            except Exception as exc:  # an estimate failure must not hide a valid layout
+                say(f"theoretical memory estimate unavailable: {type(exc).__name__}: {exc}")
+            say("packages the run needs:")
+            for package, why in required_packages(args):
+                here = "installed here" if installed(package) else "not installed here"
+                say(f"  {package:<52} ({why}; {here})")
+            say("dry-run: OK")
+            return 0
+    finally:
+        sys.argv = saved_argv
+
+
+def main() -> None:  # pragma: no cover - exercised through pretrain_gpt.py
+    sys.exit(run())

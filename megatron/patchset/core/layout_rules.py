@@ -1,0 +1,202 @@
+"""Layout rules: megatron's own flags, checked before megatron's ``validate_args``.
+
+The parallel sizes against the world size, divisibility of heads, layers, experts and the batch,
+the data and tokenizer, and megatron-core 0.19.2's late failures (evaluation interval, warm-up
+length). megatron either checks these late (at process-group creation, after the model is built)
+or with messages that do not name the flag.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron.patchset.core.predicates import etp, layout_is_uneven, model_parallel, world_size
+from megatron.patchset.core.rules import rule
+
+@rule(
+    "model-parallel-divides-world-size",
+    phase="layout",
+    flags=("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"),
+)
+def _model_parallel_divides_world(args):
+    """TP x PP x CP must divide the number of GPUs."""
+    mp, world = model_parallel(args), world_size(args)
+    if world % mp:
+        return (
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x "
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} x "
+            f"--context-parallel-size {args.context_parallel_size} = {mp} does not divide the "
+            f"world size {world}. Pick sizes whose product divides the number of GPUs."
+        )
+    return None
+
+
+@rule(
+    "expert-parallel-divides-world-size",
+    phase="layout",
+    flags=("--expert-model-parallel-size", "--expert-tensor-parallel-size", "--pipeline-model-parallel-size"),
+)
+def _expert_parallel_divides_world(args):
+    """ETP x EP x PP must divide the number of GPUs (MoE layers' own process grid)."""
+    ep, pp, world = args.expert_model_parallel_size, args.pipeline_model_parallel_size, world_size(args)
+    etp_size = etp(args)
+    if world % (ep * etp_size * pp):
+        return (
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp_size} x "
+            f"--pipeline-model-parallel-size {pp} = {ep * etp_size * pp} does not divide the world "
+            f"size {world}. Use an --expert-model-parallel-size that divides "
+            f"{world // max(1, etp_size * pp) if world % (etp_size * pp) == 0 else world} "
+            f"(the GPUs left per pipeline stage after expert tensor parallelism)."
+        )
+    return None
+
+
+@rule("experts-divisible-by-expert-parallel", phase="layout", flags=("--num-experts", "--expert-model-parallel-size"))
+def _experts_divisible(args):
+    """Every expert-parallel rank must own the same number of experts."""
+    ep = args.expert_model_parallel_size
+    if ep > 1 and args.num_experts is None:
+        return f"--expert-model-parallel-size {ep} needs a MoE model: set --num-experts."
+    if args.num_experts is not None and args.num_experts % ep:
+        return (
+            f"--num-experts {args.num_experts} is not a multiple of "
+            f"--expert-model-parallel-size {ep}; every expert-parallel rank must hold the same "
+            f"number of experts."
+        )
+    return None
+
+
+@rule("heads-divisible-by-tensor-parallel", phase="layout", flags=("--num-attention-heads", "--num-query-groups", "--tensor-model-parallel-size"))
+def _heads_divisible(args):
+    """Attention heads and query groups are split across tensor-parallel ranks."""
+    tp = args.tensor_model_parallel_size
+    problems = []
+    if args.num_attention_heads is not None and args.num_attention_heads % tp:
+        problems.append(f"--num-attention-heads {args.num_attention_heads}")
+    if getattr(args, "group_query_attention", False) and args.num_query_groups and args.num_query_groups % tp:
+        problems.append(f"--num-query-groups {args.num_query_groups}")
+    if problems:
+        return f"{' and '.join(problems)} not divisible by --tensor-model-parallel-size {tp}."
+    return None
+
+
+@rule("layers-divisible-by-pipeline", phase="layout", flags=("--num-layers", "--pipeline-model-parallel-size"))
+def _layers_divisible(args):
+    """An even pipeline split needs num_layers % PP == 0."""
+    pp = args.pipeline_model_parallel_size
+    if pp > 1 and args.num_layers is not None and not layout_is_uneven(args) and args.num_layers % pp:
+        return (
+            f"--num-layers {args.num_layers} does not split evenly over "
+            f"--pipeline-model-parallel-size {pp}; change either, or give an uneven split with "
+            f"--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers or "
+            f"--pipeline-model-parallel-layout."
+        )
+    return None
+
+
+@rule("global-batch-divisible", phase="layout", flags=("--global-batch-size", "--micro-batch-size"))
+def _global_batch_divisible(args):
+    """The global batch must be a whole number of micro-batches on every data-parallel rank."""
+    world, mp = world_size(args), model_parallel(args)
+    if args.global_batch_size is None or world % mp:
+        return None
+    dp = world // mp
+    per_step = args.micro_batch_size * dp
+    if args.global_batch_size % per_step:
+        return (
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp} = {per_step}."
+        )
+    return None
+
+
+@rule("pretrain-gpt-data-scope", phase="layout", flags=("--sft", "--dataloader-inter-document-masking"))
+def _pretrain_scope(args):
+    """This pretrain_gpt.py trains on packed pretraining samples (mock or indexed data)."""
+    offending = [
+        flag
+        for flag, on in (
+            ("--sft", getattr(args, "sft", False)),
+            ("--dataloader-inter-document-masking", getattr(args, "dataloader_inter_document_masking", False)),
+        )
+        if on
+    ]
+    if offending:
+        return (
+            f"{', '.join(offending)}: variable-length (THD) batches are not supported by "
+            f"megatron-patchset's pretrain_gpt.py yet; drop the flag."
+        )
+    return None
+
+
+_FILE_TOKENIZERS = {
+    "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+    "BertWordPieceLowerCase": ("--vocab-file",),
+    "BertWordPieceCase": ("--vocab-file",),
+    "SentencePieceTokenizer": ("--tokenizer-model",),
+    "GPTSentencePieceTokenizer": ("--tokenizer-model",),
+    "Llama2Tokenizer": ("--tokenizer-model",),
+    "TikTokenizer": ("--tokenizer-model",),
+    "HuggingFaceTokenizer": ("--tokenizer-model",),
+}
+
+
+@rule("data-and-tokenizer", phase="layout", flags=("--mock-data", "--data-path", "--tokenizer-type"))
+def _data_and_tokenizer(args):
+    """Training needs data (mock or indexed) and a tokenizer that can be built."""
+    problems = []
+    has_data = (
+        args.mock_data
+        or args.data_path
+        or getattr(args, "data_args_path", None)
+        or getattr(args, "per_split_data_args_path", None)
+        or any(getattr(args, f"{s}_data_path", None) for s in ("train", "valid", "test"))
+    )
+    if not has_data:
+        problems.append("no training data: pass --mock-data or --data-path (or --train-data-path ...).")
+    tok = args.tokenizer_type
+    if tok is None:
+        problems.append(
+            "--tokenizer-type is not set: use NullTokenizer with --vocab-size for mock data, "
+            "or the tokenizer your data was preprocessed with."
+        )
+    elif tok == "NullTokenizer" and not args.vocab_size:
+        problems.append("--tokenizer-type NullTokenizer needs --vocab-size.")
+    for flag in _FILE_TOKENIZERS.get(tok or "", ()):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if not value:
+            problems.append(f"--tokenizer-type {tok} needs {flag}.")
+        elif flag != "--tokenizer-model" and not os.path.exists(value):
+            problems.append(f"{flag} {value} does not exist.")
+    return " ".join(problems) or None
+
+
+@rule("eval-interval-set", phase="layout", flags=("--eval-interval", "--train-iters"))
+def _eval_interval_set(args):
+    """megatron 0.19.2 divides --train-iters by --eval-interval when sizing the validation set,
+    even with --eval-iters 0; without it every rank fails after the model is built."""
+    if args.train_iters and args.eval_interval is None and not args.full_validation and not args.skip_train:
+        return (
+            "--eval-interval is not set: megatron-core 0.19.2 needs it with --train-iters (it "
+            "sizes the validation set from it even with --eval-iters 0). Set e.g. "
+            "--eval-interval 1000."
+        )
+    return None
+
+
+@rule("lr-warmup-shorter-than-decay", phase="layout", flags=("--lr-warmup-iters", "--lr-decay-iters", "--train-iters"))
+def _lr_warmup_shorter_than_decay(args):
+    """megatron's LR scheduler asserts warm-up < decay (decay defaults to --train-iters)."""
+    if not args.train_iters or args.lr_warmup_fraction is not None:
+        return None
+    decay = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters >= decay:
+        source = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters"
+        return (
+            f"--lr-warmup-iters {args.lr_warmup_iters} is not shorter than the decay length "
+            f"{decay} ({source}); megatron's scheduler refuses it after the model is built. "
+            f"Shorten the warm-up or lengthen the run."
+        )
+    return None
+
+

@@ -1,0 +1,431 @@
+"""TransformerEngine per-layer CUDA graphs (``--cuda-graph-impl transformer_engine``) with
+Megatron-FSDP.
+
+In megatron-core 0.19.2 this combination cannot work: the layers handed to TE's
+``make_graphed_callables`` still carry Megatron-FSDP's module hooks (TE 2.20.2 refuses such
+modules, and older TE captured them in the wrong phase: wrong numerics, illegal memory accesses
+at replay), and ``GraphableMegatronModule.__call__`` calls the capture/replay functions directly,
+so none of the layer's hooks run at replay (its parameters are never all-gathered).
+
+What this module changes (each a registered patch, on with ``--use-megatron-fsdp
+--cuda-graph-impl transformer_engine``, except the dtype fix, on for any TE graph run):
+
+``cuda_graphs.fsdp_capture_helper``
+    The training loop's ``TECudaGraphHelper`` becomes :class:`FSDPCudaGraphHelper`. Around
+    capture it gives the modules FSDP's raw parameters, takes all four kinds of module hooks off
+    every graphed layer (:func:`take_off_hooks`), hands TE the hooks as ``capture_time_hooks``
+    (:func:`capture_time_hooks`: FSDP's wrappers are replaced by their inner handlers, under
+    the key of the phase they belong to) and puts every hook back afterwards, also when capture
+    fails, and again (idempotently) before graphs are deleted.
+``cuda_graphs.hooks_fire_on_graphed_call``
+    ``GraphableMegatronModule.__call__`` runs capture and replay through ``nn.Module.__call__``,
+    so the layer's hooks (FSDP's unshard, release, pre- and post-backward) fire around them.
+``cuda_graphs.capture_uses_original_forward``
+    The base ``_te_cuda_graph_capture`` calls the layer's real ``forward`` (the swapped-in one
+    would recurse).
+``cuda_graphs.static_inputs_params_dtype``
+    Sample inputs for capture are created in the model's ``params_dtype``, not always bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron.patchset.features.fsdp_cuda_graphs import fsdp_hooks
+from megatron.patchset.core.registry import PatchsetError, patch
+
+# TransformerEngine 2.20.2's capture_time_hooks keys (transformer_engine/pytorch/graph.py).
+TE_HOOK_KEYS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+# nn.Module's hook dicts, by the kind of hook they hold.
+MODULE_HOOK_DICTS = {
+    "forward_pre": "_forward_pre_hooks",
+    "forward": "_forward_hooks",
+    "backward_pre": "_backward_pre_hooks",
+    "backward": "_backward_hooks",
+}
+ORIGINAL_FORWARD = "_patchset_original_forward"
+
+
+
+class CudaGraphHookError(PatchsetError):
+    """A graphed module carries a hook that cannot be run correctly around TE's capture."""
+
+
+# ---------------------------------------------------------------------------------------
+# Taking hooks off a module and putting them back
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class HookStash:
+    """The hooks taken off one module: ``(id, hook)`` pairs per kind, in registration order."""
+
+    module: torch.nn.Module
+    hooks: dict[str, list[tuple[int, Callable]]]
+    forward_pre_with_kwargs: frozenset[int]
+    forward_with_kwargs: frozenset[int]
+    restored: bool = False
+
+    def count(self) -> int:
+        return sum(len(v) for v in self.hooks.values())
+
+
+def take_off_hooks(module: torch.nn.Module) -> HookStash:
+    """Remove all forward-pre, forward, backward-pre and backward hooks from ``module``.
+
+    The dicts themselves are emptied in place (not replaced), so the ``RemovableHandle``s that
+    registered the hooks stay valid; the with-kwargs / always-called flags are left alone.
+    """
+    hooks = {}
+    for kind, attr in MODULE_HOOK_DICTS.items():
+        table = getattr(module, attr)
+        hooks[kind] = list(table.items())
+        table.clear()
+    return HookStash(
+        module=module,
+        hooks=hooks,
+        forward_pre_with_kwargs=frozenset(getattr(module, "_forward_pre_hooks_with_kwargs", {})),
+        forward_with_kwargs=frozenset(getattr(module, "_forward_hooks_with_kwargs", {})),
+    )
+
+
+def restore_hooks(stash: HookStash) -> None:
+    """Put the stashed hooks back, in their original order and under their original ids; hooks
+    registered meanwhile stay, after them. Doing it twice changes nothing."""
+    if stash.restored:
+        return
+    for kind, attr in MODULE_HOOK_DICTS.items():
+        table = getattr(stash.module, attr)
+        saved = stash.hooks[kind]
+        saved_ids = {hook_id for hook_id, _ in saved}
+        added = [(k, v) for k, v in table.items() if k not in saved_ids]
+        table.clear()
+        table.update(saved)
+        table.update(added)
+    stash.restored = True
+
+
+# ---------------------------------------------------------------------------------------
+# Hooks -> TE capture_time_hooks
+# ---------------------------------------------------------------------------------------
+
+
+def _module_only(handler: Callable) -> Callable:
+    """TE calls capture-time hooks as ``hook(module)`` and requires None back."""
+
+    def hook(module):
+        handler(module)
+
+    hook.__wrapped__ = handler
+    return hook
+
+
+def _plain_forward_pre(fn: Callable, with_kwargs: bool) -> Callable:
+    def hook(module):
+        if with_kwargs:
+            fn(module, (), {})
+        else:
+            fn(module, ())
+
+    hook.__wrapped__ = fn
+    return hook
+
+
+def _plain_forward(fn: Callable, with_kwargs: bool) -> Callable:
+    def hook(module):
+        if with_kwargs:
+            fn(module, (), {}, None)
+        else:
+            fn(module, (), None)
+
+    hook.__wrapped__ = fn
+    return hook
+
+
+def _describe(fn: Callable) -> str:
+    target = getattr(fn, "func", fn)
+    return getattr(target, "__qualname__", repr(target))
+
+
+def capture_time_hooks(stash: HookStash, name: str = "") -> Optional[dict[str, dict[int, Callable]]]:
+    """The hooks of one graphed module, as TE's ``capture_time_hooks`` entry (None: no hooks).
+
+    * a forward-pre wrapper marked with an inner *backward* handler: the handler, under
+      ``backward_hooks`` (it must run after the module's backward);
+    * a forward wrapper marked with an inner *backward-pre* handler: the handler, under
+      ``backward_pre_hooks``;
+    * a plain FSDP hook (args unused): itself, under its own phase;
+    * the root pre-backward wrapper: withheld (it queues an autograd callback, legal only in a
+      real backward pass; the hook is back on the module for replay).
+
+    Any other hook is refused: TE cannot give it its real arguments, and skipping it silently
+    could change what the layer computes.
+    """
+    where = f" on {name or type(stash.module).__name__}"
+    te: dict[str, dict[int, Callable]] = {key: {} for key in TE_HOOK_KEYS}
+    for hook_id, fn in stash.hooks["forward_pre"]:
+        if getattr(fn, fsdp_hooks.WITHHOLD, False):
+            continue
+        inner = getattr(fn, fsdp_hooks.BACKWARD_HANDLER, None)
+        if inner is not None:
+            te["backward_hooks"][hook_id] = _module_only(inner)
+        elif getattr(fn, fsdp_hooks.CAPTURE_SAFE, False):
+            te["forward_pre_hooks"][hook_id] = _plain_forward_pre(fn, hook_id in stash.forward_pre_with_kwargs)
+        else:
+            raise CudaGraphHookError(f"forward pre-hook {_describe(fn)}{where} {_UNKNOWN}")
+    for hook_id, fn in stash.hooks["forward"]:
+        if getattr(fn, fsdp_hooks.WITHHOLD, False):
+            continue
+        inner = getattr(fn, fsdp_hooks.BACKWARD_PRE_HANDLER, None)
+        if inner is not None:
+            te["backward_pre_hooks"][hook_id] = _module_only(inner)
+        elif getattr(fn, fsdp_hooks.CAPTURE_SAFE, False):
+            te["forward_hooks"][hook_id] = _plain_forward(fn, hook_id in stash.forward_with_kwargs)
+        else:
+            raise CudaGraphHookError(f"forward hook {_describe(fn)}{where} {_UNKNOWN}")
+    for kind in ("backward_pre", "backward"):
+        for _, fn in stash.hooks[kind]:
+            raise CudaGraphHookError(f"module {kind.replace('_', '-')} hook {_describe(fn)}{where} {_UNKNOWN}")
+    if not any(te.values()):
+        return None
+    return te
+
+
+_UNKNOWN = (
+    "was not registered by Megatron-FSDP: TransformerEngine's per-layer graph capture runs "
+    "hooks as hook(module) outside the graph and cannot run this one correctly. Remove it "
+    "before training, or use --cuda-graph-impl none."
+)
+
+
+def check_no_hooks_inside(module: torch.nn.Module, name: str = "") -> None:
+    """Refuse Megatron-FSDP hooks on submodules of a graphed layer: they would run inside the
+    captured region at capture time and never at replay (fine-grained parameter gather, the
+    ``optim``/``optim_grads`` strategies, or a root pre-backward hook on a pipeline stage's
+    last layer)."""
+    for sub_name, sub in module.named_modules():
+        if sub is module:
+            continue
+        for attr in ("_forward_pre_hooks", "_forward_hooks"):
+            for fn in getattr(sub, attr).values():
+                if fsdp_hooks.local_name(fn) is not None:
+                    raise CudaGraphHookError(
+                        f"Megatron-FSDP hook {fsdp_hooks.local_name(fn)} on {name}.{sub_name}, inside a layer "
+                        f"graphed by TransformerEngine: it would run during capture and never at replay. "
+                        f"Per-layer graphs need FSDP units of whole layers (--data-parallel-sharding-strategy "
+                        f"optim_grads_params, no fine-grained parameter gather, no pipeline parallelism)."
+                    )
+
+
+# ---------------------------------------------------------------------------------------
+# Patches on GraphableMegatronModule
+# ---------------------------------------------------------------------------------------
+
+
+def _graphed_step_with_hooks(module: torch.nn.Module, step: Callable, args: tuple, kwargs: dict):
+    """Run ``step`` (capture or replay) as the module's forward through ``nn.Module.__call__``,
+    so that the module's hooks run around it; the instance attribute is removed afterwards."""
+    state = module.__dict__
+    had_forward = "forward" in state
+    previous = state.get("forward")
+    state[ORIGINAL_FORWARD] = module.forward
+    state["forward"] = step
+    try:
+        return torch.nn.Module.__call__(module, *args, **kwargs)
+    finally:
+        if had_forward:
+            state["forward"] = previous
+        else:
+            state.pop("forward", None)
+        state.pop(ORIGINAL_FORWARD, None)
+
+
+@patch(
+    "cuda_graphs.hooks_fire_on_graphed_call",
+    "megatron.core.transformer.module.GraphableMegatronModule.__call__",
+    reason="on the TE graph path __call__ calls capture/replay directly, so the layer's module hooks "
+    "(Megatron-FSDP's unshard/reshard/backward hooks) never run: go through nn.Module.__call__",
+)
+def _call(original):
+    from megatron.core.transformer.module import GraphableMegatronModule
+
+    def __call__(self, *args, **kwargs):
+        # upstream's three branches, each predicate evaluated once (this runs on every layer call)
+        if self._should_call_local_cudagraph(*args, **kwargs):
+            return original(self, *args, **kwargs)
+        if self._should_call_te_cudagraph(*args, **kwargs):
+            step = self._te_cuda_graph_replay if self.cuda_graphs else self._te_cuda_graph_capture
+            return _graphed_step_with_hooks(self, step, args, kwargs)
+        return super(GraphableMegatronModule, self).__call__(*args, **kwargs)
+
+    return __call__
+
+
+@patch(
+    "cuda_graphs.capture_uses_original_forward",
+    "megatron.core.transformer.module.GraphableMegatronModule._te_cuda_graph_capture",
+    reason="with capture run as the module's forward, the base capture (self.forward) would call "
+    "itself: call the forward saved before the swap",
+)
+def _capture(original):
+    def _te_cuda_graph_capture(self, *args, **kwargs):
+        forward = self.__dict__.get(ORIGINAL_FORWARD)
+        if forward is None:
+            return original(self, *args, **kwargs)
+        return forward(*args, **kwargs)
+
+    return _te_cuda_graph_capture
+
+
+def _te_graphs_wanted(args: Any) -> bool:
+    return args is not None and getattr(args, "cuda_graph_impl", "none") == "transformer_engine"
+
+
+def _te_graphs_not_bf16(args: Any) -> bool:
+    """Upstream's capture inputs are bf16: only a fp32/fp16 model needs the dtype patch (a bf16
+    model then still runs upstream's code, so MEGATRON_PATCHSET=off can graph it)."""
+    return _te_graphs_wanted(args) and not getattr(args, "bf16", False)
+
+
+@patch(
+    "cuda_graphs.static_inputs_params_dtype",
+    "megatron.core.transformer.module.GraphableMegatronModule.get_layer_static_inputs",
+    reason="capture sample hidden states are hard-coded bf16; a fp32 or fp16 model captures graphs "
+    "for the wrong dtype: use config.params_dtype",
+    flags=("--cuda-graph-impl transformer_engine without --bf16",),
+    enabled=_te_graphs_not_bf16,
+)
+def _static_inputs(original):
+    def get_layer_static_inputs(self, seq_length, micro_batch_size):
+        inputs = original(self, seq_length, micro_batch_size)
+        dtype = getattr(self.config, "params_dtype", None) or torch.bfloat16
+        hidden = inputs.get("hidden_states")
+        if hidden is not None and hidden.dtype != dtype:
+            inputs["hidden_states"] = torch.ones_like(hidden, dtype=dtype).requires_grad_(hidden.requires_grad)
+        return inputs
+
+    return get_layer_static_inputs
+
+
+# ---------------------------------------------------------------------------------------
+# The capture helper
+# ---------------------------------------------------------------------------------------
+
+
+def check_capture_config(model_chunks: list, config: Any) -> None:
+    """The core-level version of the CLI rules (for callers that build the helper without
+    pretrain_gpt.py): the FSDP settings that per-layer graphs need."""
+    for chunk in model_chunks:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is None or not getattr(ddp, "use_megatron_fsdp", False):
+            continue
+        missing = [
+            flag
+            for flag, ok in (
+                ("--fsdp-double-buffer", getattr(ddp, "fsdp_double_buffer", False)),
+                ("--fsdp-db-use-persist-buf-on-alloc-fail", getattr(ddp, "fsdp_db_use_persist_buf_on_alloc_fail", False)),
+                (
+                    "--data-parallel-sharding-strategy optim_grads_params",
+                    getattr(ddp, "data_parallel_sharding_strategy", None) == "optim_grads_params",
+                ),
+            )
+            if not ok
+        ]
+        if missing:
+            raise CudaGraphHookError(
+                "TransformerEngine per-layer CUDA graphs with Megatron-FSDP need "
+                + ", ".join(missing)
+                + ": the graphs replay at the parameter-buffer addresses seen at capture"
+            )
+        if getattr(config, "gradient_accumulation_fusion", False):
+            raise CudaGraphHookError(
+                "TransformerEngine per-layer CUDA graphs with Megatron-FSDP need "
+                "--no-gradient-accumulation-fusion (fused wgrad would allocate FSDP grad buckets inside the capture)"
+            )
+
+
+@patch(
+    "cuda_graphs.fsdp_capture_helper",
+    "megatron.training.training.TECudaGraphHelper",
+    reason="make_graphed_callables gets layers with Megatron-FSDP's hooks on and DTensor params: take the "
+    "hooks off, pass FSDP's inner handlers as TE capture_time_hooks, capture with raw params, restore "
+    "(FSDPCudaGraphHelper, a subclass)",
+)
+def _helper_class(original):
+    """The training loop's ``TECudaGraphHelper`` becomes :class:`FSDPCudaGraphHelper`."""
+
+    class FSDPCudaGraphHelper(original):
+        """TE per-layer graph capture for Megatron-FSDP models (see the module docstring)."""
+
+        _patchset_stashes: list = []
+        _patchset_capture_time_hooks: Optional[list] = None
+
+        def create_cudagraphs(self):
+            if not self.flattened_callables:
+                return super().create_cudagraphs()
+            check_capture_config(self.model, self.config)
+            names = [f"layer {getattr(c, 'layer_number', i)}" for i, c in enumerate(self.flattened_callables)]
+            for callable_, name in zip(self.flattened_callables, names):
+                check_no_hooks_inside(callable_, name)
+            with fsdp_hooks.raw_parameters(self.model):
+                self._patchset_stashes = [take_off_hooks(c) for c in self.flattened_callables]
+                try:
+                    self._patchset_capture_time_hooks = [
+                        capture_time_hooks(stash, name) for stash, name in zip(self._patchset_stashes, names)
+                    ]
+                    _log_capture(self._patchset_stashes, self._patchset_capture_time_hooks)
+                    return super().create_cudagraphs()
+                finally:
+                    self._patchset_capture_time_hooks = None
+                    self.restore_callable_hooks()
+                    _end_capture_if_left_on()
+
+        def _get_cuda_graph_input_data(self):
+            sample_args, kwargs = super()._get_cuda_graph_input_data()
+            hooks = self._patchset_capture_time_hooks
+            if hooks is not None and any(h is not None for h in hooks):
+                if "capture_time_hooks" in kwargs:
+                    raise CudaGraphHookError("megatron-core already passes capture_time_hooks; the fork's patch is stale")
+                kwargs["capture_time_hooks"] = list(hooks)
+            return sample_args, kwargs
+
+        def restore_callable_hooks(self):
+            """Put back every hook taken off for capture (idempotent)."""
+            for stash in self._patchset_stashes:
+                restore_hooks(stash)
+
+        def delete_cuda_graphs(self):
+            self.restore_callable_hooks()
+            return super().delete_cuda_graphs()
+
+    FSDPCudaGraphHelper.__module__ = __name__
+    FSDPCudaGraphHelper.__qualname__ = "FSDPCudaGraphHelper"
+    return FSDPCudaGraphHelper
+
+
+def _log_capture(stashes: list, te_hooks: list) -> None:
+    """One line on rank 0: how many hooks were taken off and what TE runs at capture."""
+    per_key = {key: sum(len((entry or {}).get(key, {})) for entry in te_hooks) for key in TE_HOOK_KEYS}
+    taken = sum(stash.count() for stash in stashes)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(
+            f"megatron-patchset: CUDA graph capture with Megatron-FSDP: {taken} module hooks taken off "
+            f"{len(stashes)} layers for capture; TE runs at capture "
+            + ", ".join(f"{n} {key}" for key, n in per_key.items())
+            + "; the hooks are restored after capture",
+            flush=True,
+        )
+
+
+def _end_capture_if_left_on() -> None:
+    """After a failed capture megatron's (and TE's) capture flags can stay set; clear them."""
+    from megatron.core.transformer import cuda_graphs as mcore_graphs
+
+    if mcore_graphs.is_graph_capturing():
+        mcore_graphs._set_capture_end()
+        te_end = getattr(mcore_graphs, "te_set_capture_end", None)
+        if te_end is not None:
+            te_end()

@@ -1,0 +1,30 @@
+"""The experts' GEMMs as torch grouped_mm, token counts on the GPU, and full-iteration CUDA graphs
+of a dropless MoE step (docs/features/grouped_mm.md).
+
+``--moe-grouped-gemm-impl torch`` runs each expert linear's forward, data and weight gradient as
+one grouped GEMM with device-side offsets (:mod:`.linears`); ``--moe-expert-splits-on-device``
+keeps the per-expert token counts on the GPU (:mod:`.device_splits`), so megatron's
+``--cuda-graph-impl full_iteration`` can capture the whole step.
+"""
+
+from megatron.patchset.core.features import Feature
+from megatron.patchset.features.grouped_mm import flags
+
+
+
+def _in_use(args) -> list[str]:
+    return [f"{flags.FLAG} torch"] + ([flags.SPLITS_FLAG] if flags.splits_on_device(args) else [])
+
+
+FEATURE = Feature(
+    name="grouped_mm",
+    title="Experts as torch grouped GEMMs; full-iteration graphs of a dropless MoE step",
+    switches=(f"{flags.FLAG} torch",),
+    enabled=flags.requested,
+    upstream_pr="fork-only (megatron-core 0.19.2 uses torch grouped_mm for inference only: InferenceGroupedMLP)",
+    status="not yet verified on 2 GPUs",
+    modules=(f"{__name__}.rules", f"{__name__}.linears", f"{__name__}.device_splits"),
+    flags=(flags.FLAG, flags.SPLITS_FLAG),
+    add_arguments=flags.add_arguments,
+    in_use=_in_use,
+)

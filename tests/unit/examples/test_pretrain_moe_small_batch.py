@@ -1,0 +1,47 @@
+"""The small-micro-batch recipe: the launch and Slurm scripts pass pretrain_gpt.py --dry-run with
+the flags they would launch with, their GRAPHS knob picks the graph mode, and a combination the
+capture cannot take is refused before launch."""
+
+import os
+
+import pytest
+
+from tests.unit.conftest import dry_run_example
+
+SCRIPTS = {
+    "local": os.path.join("examples", "pretrain_moe_small_batch.sh"),
+    "slurm": os.path.join("examples", "slurm", "pretrain_moe_small_batch.sbatch"),
+}
+PATCHES = ("experts.grouped_mm_fc1", "experts.splits_on_device_dispatcher", "experts.splits_on_device_grouped_mlp")
+
+
+@pytest.mark.parametrize("script, world", [("local", 1), ("slurm", 8)])
+def test_full_graph_recipe_passes_the_dry_run(script, world):
+    proc = dry_run_example(SCRIPTS[script])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert f"world size ........................ {world}" in out
+    assert "expert model parallel (EP) ........ 1" in out
+    assert "fork features enabled: grouped_mm (--moe-grouped-gemm-impl torch, --moe-expert-splits-on-device)" in out
+    assert all(name in out for name in PATCHES)
+    assert out.rstrip().endswith("dry-run: OK")
+
+
+@pytest.mark.parametrize("graphs", ["layer", "none"])
+def test_other_graph_modes_leave_the_counts_on_the_host(graphs):
+    proc = dry_run_example(SCRIPTS["local"], GRAPHS=graphs, MICRO_BATCH="4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fork features enabled: grouped_mm (--moe-grouped-gemm-impl torch)\n" in proc.stdout
+    assert "splits_on_device" not in proc.stdout
+    assert "micro-batches per step ............ 1 (global 4, micro 4)" in proc.stdout
+
+
+def test_a_timer_inside_the_captured_step_is_refused_before_launch():
+    proc = dry_run_example(SCRIPTS["slurm"], EXTRA="--timing-log-level 1")
+    assert proc.returncode != 0
+    assert "[full-iteration-graphs-timers]" in proc.stdout + proc.stderr
+
+
+def test_unknown_graph_mode_is_an_error():
+    proc = dry_run_example(SCRIPTS["local"], GRAPHS="everything")
+    assert proc.returncode == 2 and "GRAPHS must be full, layer or none" in proc.stderr

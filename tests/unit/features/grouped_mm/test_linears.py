@@ -1,0 +1,281 @@
+"""--moe-grouped-gemm-impl torch: the grouped GEMMs against per-expert matmuls, the main_grad
+contract with megatron's DDP, CUDA-graph capture, and the linears' rebinding in TE's spec provider."""
+
+import pytest
+import torch
+from megatron.patchset.core.registry import PatchsetError
+from megatron.patchset.core import registry
+from megatron.patchset.features.grouped_mm import linears
+from tests.unit.features.grouped_mm.conftest import FakeTEGroupedLinear, IN, OUT, SPLITS, expert_weights, grouped_mlp, rows
+from tests.unit.features.grouped_mm.conftest import tiny_parsed
+
+
+def reference(x, splits, weights, dy):
+    """Per-expert fp32 matmuls: output, input gradient, weight gradients."""
+    outs, dxs, dws, start = [], [], [], 0
+    for n, w in zip(splits, weights):
+        xe, dye, we = x[start:start + n].float(), dy[start:start + n].float(), w.detach().float()
+        outs.append(xe @ we.t())
+        dxs.append(dye @ we)
+        dws.append(dye.t() @ xe)
+        start += n
+    return torch.cat(outs), torch.cat(dxs), dws
+
+
+def close(a, b):
+    """Equal within bf16 rounding: 1% of the reference's largest magnitude."""
+    b = b.float()
+    torch.testing.assert_close(a.float(), b, atol=0.01 * b.abs().max().item() + 1e-6, rtol=0)
+
+
+def test_offsets_are_cumulative_int32_and_shared_by_equal_splits():
+    offs = linears.group_offsets(SPLITS, torch.device("cpu"))
+    assert offs.dtype == torch.int32 and offs.tolist() == [0, 5, 8, 8, 17, 18, 18]
+    assert linears.group_offsets(list(SPLITS), torch.device("cpu")) is offs  # fc2 reuses fc1's
+    assert linears.group_offsets([1] * 7, torch.device("cpu")) is not offs
+    as_tensor = linears.group_offsets(torch.tensor(SPLITS), torch.device("cpu"))
+    assert as_tensor.dtype == torch.int32 and as_tensor.tolist() == offs.tolist()
+
+
+def test_forward_and_gradients_match_per_expert_matmuls():
+    weights = expert_weights()
+    m = sum(SPLITS)
+    x = rows(m).requires_grad_(True)
+    dy = rows(m, OUT, seed=2)
+    out = linears.grouped_mm(x, SPLITS, weights)
+    out.backward(dy)
+    ref_out, ref_dx, ref_dws = reference(x.detach(), SPLITS, weights, dy)
+    assert out.shape == (m, OUT) and out.dtype == torch.bfloat16
+    close(out, ref_out)
+    close(x.grad, ref_dx)
+    for n, w, ref_dw in zip(SPLITS, weights, ref_dws):
+        assert w.grad.shape == w.shape
+        close(w.grad, ref_dw)
+        if n == 0:
+            assert torch.count_nonzero(w.grad) == 0
+
+
+def test_an_expanded_output_gradient_is_accepted():
+    # out.sum().backward() hands grouped_mm a stride-0 gradient, which its kernels refuse.
+    weights = expert_weights()
+    x = rows(sum(SPLITS)).requires_grad_(True)
+    linears.grouped_mm(x, SPLITS, weights).sum().backward()
+    _, ref_dx, _ = reference(x.detach(), SPLITS, weights, torch.ones(sum(SPLITS), OUT))
+    close(x.grad, ref_dx)
+
+
+def ddp_managed(weights, prior=0.5, **attrs):
+    """What megatron's DDP puts on a parameter: an fp32 main_grad and grad_added_to_main_grad."""
+    for w in weights:
+        w.main_grad = torch.full(w.shape, prior, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+        for key, value in attrs.items():
+            setattr(w, key, value)
+    return weights
+
+
+def test_ddp_managed_weights_accumulate_into_main_grad():
+    weights = ddp_managed(expert_weights())
+    x = rows(sum(SPLITS))
+    dy = rows(sum(SPLITS), OUT, seed=2)
+    linears.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    _, _, ref_dws = reference(x, SPLITS, weights, dy)
+    for w, ref_dw in zip(weights, ref_dws):
+        close(w.main_grad, ref_dw + 0.5)
+        assert w.grad_added_to_main_grad is True
+        # DDP's hook sees a gradient (so it fires) and, with the flag set, does not add it again.
+        assert w.grad is not None and w.grad.shape == w.shape
+    # AccumulateGrad kept the dummy instead of copying it: one buffer behind all the gradients.
+    assert len({w.grad.untyped_storage().data_ptr() for w in weights}) == 1
+
+
+def test_fp32_weight_gradients_only_where_the_device_writes_them():
+    # PyTorch's CPU fallback refuses out_dtype=float32 (CUDA on sm90 accepts it): bf16 then.
+    assert linears._wgrad_out_dtype(torch.float32, torch.device("cpu")) is None
+    assert linears._fp32_wgrad_supported == {"cpu": False}
+    assert linears._wgrad_out_dtype(torch.bfloat16, torch.device("cpu")) is None
+
+
+def test_overwrite_main_grad_and_zero_out_wgrad():
+    weights = ddp_managed(expert_weights(), overwrite_main_grad=True, zero_out_wgrad=True)
+    x = rows(sum(SPLITS))
+    dy = rows(sum(SPLITS), OUT, seed=2)
+    linears.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    _, _, ref_dws = reference(x, SPLITS, weights, dy)
+    for w, ref_dw in zip(weights, ref_dws):
+        close(w.main_grad, ref_dw)  # the prior 0.5 is gone
+        # With zero_out_wgrad DDP adds param.grad anyway: it must be zeros.
+        assert torch.count_nonzero(w.grad) == 0
+
+
+def test_no_rows_leaves_main_grad_and_still_hands_ddp_a_gradient():
+    weights = ddp_managed(expert_weights())
+    x = rows(0).requires_grad_(True)
+    out = linears.grouped_mm(x, [0] * len(weights), weights, fuse_accumulation=True)
+    assert out.shape == (0, OUT)
+    out.backward(torch.empty(0, OUT, dtype=torch.bfloat16))
+    assert x.grad.shape == (0, IN)
+    for w in weights:
+        assert torch.equal(w.main_grad, torch.full(w.shape, 0.5))
+        assert w.grad_added_to_main_grad is True and w.grad is not None
+
+
+def test_missing_main_grad_is_a_clear_error():
+    weights = expert_weights()
+    for w in weights:
+        w.grad_added_to_main_grad = False
+    with pytest.raises(RuntimeError, match="no main_grad"):
+        linears.grouped_mm(rows(sum(SPLITS)), SPLITS, weights, fuse_accumulation=True).sum().backward()
+
+
+def test_linear_subclass_runs_the_grouped_gemm_on_its_own_weights(capsys, monkeypatch):
+    monkeypatch.setattr(linears, "_announced", set())
+    cls = linears.grouped_mm_linear(FakeTEGroupedLinear, "Column")
+    assert issubclass(cls, FakeTEGroupedLinear) and cls.__name__ == "GroupedMMColumnParallelGroupedLinear"
+    linear = cls(len(SPLITS), IN, OUT)
+    cls(len(SPLITS), IN, OUT)
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("megatron-patchset: experts'")]
+    assert lines == [f"megatron-patchset: experts' GroupedMMColumnParallelGroupedLinear runs forward, dgrad and "
+                     f"wgrad as one torch grouped_mm each ({len(SPLITS)} local experts, {IN} -> {OUT} before "
+                     f"tensor parallelism)"]
+    x = rows(sum(SPLITS))
+    out, bias = linear(x, SPLITS)
+    assert bias is None and linear.is_first_microbatch is False
+    weights = [getattr(linear, f"weight{i}") for i in range(len(SPLITS))]
+    close(out, reference(x, SPLITS, weights, torch.zeros(sum(SPLITS), OUT))[0])
+    out.sum().backward()
+    assert all(w.grad is not None for w in weights)  # no DDP attributes: plain gradients
+    with pytest.raises(RuntimeError, match="bf16"):
+        linear(x.float(), SPLITS)
+
+
+def test_megatrons_te_grouped_mlp_runs_on_the_grouped_gemm_linears():
+    """TEGroupedMLP's own forward (token counts to a list, fc1, SwiGLU times the router
+    probabilities, fc2) on the patched linears equals per-expert SwiGLU MLPs."""
+    import torch.nn.functional as F
+
+    hidden, splits = IN, [3, 0, 6, 2]
+    mlp = grouped_mlp(splits)
+    x = rows(sum(splits), hidden).requires_grad_(True)
+    probs = torch.rand(sum(splits), generator=torch.Generator().manual_seed(3))
+    out, bias = mlp(x, torch.tensor(splits), probs)
+    assert bias is None and out.shape == (sum(splits), hidden)
+
+    expected, start = [], 0
+    for e, n in enumerate(splits):
+        w1, w2 = getattr(mlp.linear_fc1, f"weight{e}").float(), getattr(mlp.linear_fc2, f"weight{e}").float()
+        gate, up = torch.chunk(x[start:start + n].detach().float() @ w1.t(), 2, dim=-1)
+        expected.append((F.silu(gate) * up * probs[start:start + n, None]) @ w2.t())
+        start += n
+    close(out, torch.cat(expected))
+    out.float().pow(2).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+    assert torch.count_nonzero(mlp.linear_fc1.weight1.grad) == 0  # the expert without tokens
+    assert torch.count_nonzero(mlp.linear_fc2.weight2.grad) > 0
+
+
+def test_without_transformer_engine_the_patch_names_it():
+    with pytest.raises(PatchsetError, match="TransformerEngine is not installed"):
+        linears.grouped_mm_linear(None, "Row")
+
+
+def test_patches_rebind_the_names_te_spec_provider_builds_experts_from(monkeypatch):
+    from megatron.core.extensions import transformer_engine_spec_provider as provider
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    # No TE on the CPU: stand-ins take the place of megatron's TE grouped linears.
+    column = type("TEColumnParallelGroupedLinear", (FakeTEGroupedLinear,), {})
+    row = type("TERowParallelGroupedLinear", (FakeTEGroupedLinear,), {})
+    monkeypatch.setattr(provider, "TEColumnParallelGroupedLinear", column)
+    monkeypatch.setattr(provider, "TERowParallelGroupedLinear", row)
+    names = ["experts.grouped_mm_fc1", "experts.grouped_mm_fc2"]
+    assert all(registry.get(n).wanted(tiny_parsed("--moe-grouped-gemm-impl", "torch")) for n in names)
+    assert not any(registry.get(n).wanted(tiny_parsed()) for n in names)
+    try:
+        assert registry.apply_patches([registry.get(n) for n in names]) == names
+        spec = provider.TESpecProvider().grouped_mlp_modules(True)
+        assert spec.func is TEGroupedMLP
+        fc1, fc2 = spec.keywords["submodules"].linear_fc1, spec.keywords["submodules"].linear_fc2
+        assert issubclass(fc1, column) and issubclass(fc1, linears.GroupedMMForward)
+        assert issubclass(fc2, row) and issubclass(fc2, linears.GroupedMMForward)
+        assert registry.patched_by(fc1) == "experts.grouped_mm_fc1"
+    finally:
+        registry.revert(names)
+    assert provider.TEColumnParallelGroupedLinear is column and provider.TERowParallelGroupedLinear is row
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_main_grads_back_to_back_take_one_add(descending, monkeypatch):
+    """DDP's buffer holds a layer's expert main grads back to back (in reverse order): the weight
+    gradient goes in with one add over a view of them, not a foreach over the experts."""
+    weights = expert_weights()
+    buffer = torch.full((len(weights), OUT, IN), 0.5)
+    for i, w in enumerate(weights):
+        w.main_grad = buffer[len(weights) - 1 - i] if descending else buffer[i]
+        w.grad_added_to_main_grad = False
+    view, flipped = linears.stacked_view([w.main_grad for w in weights])
+    assert flipped is descending and view.data_ptr() == buffer.data_ptr()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("foreach path taken")
+
+    monkeypatch.setattr(torch, "_foreach_add_", refuse)
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    linears.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    for w, ref_dw in zip(weights, reference(x, SPLITS, weights, dy)[2]):
+        close(w.main_grad, ref_dw + 0.5)
+
+
+def test_scattered_main_grads_take_the_foreach_path_in_one_dtype(monkeypatch):
+    weights = ddp_managed(expert_weights())  # separate fp32 tensors
+    assert linears.stacked_view([w.main_grad for w in weights]) is None
+    seen = []
+    add = torch._foreach_add_
+
+    def record(selves, others):
+        seen.append({t.dtype for t in others})
+        return add(selves, others)
+
+    monkeypatch.setattr(torch, "_foreach_add_", record)
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    linears.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    assert seen == [{torch.float32}]  # bf16 gradients cast once, so the multi-tensor kernel applies
+    for w, ref_dw in zip(weights, reference(x, SPLITS, weights, dy)[2]):
+        close(w.main_grad, ref_dw + 0.5)
+
+
+def test_stacked_view_refuses_gaps_and_mixed_shapes():
+    buffer = torch.zeros(5, 2, 3)
+    assert linears.stacked_view([buffer[0], buffer[1], buffer[3]]) is None
+    assert linears.stacked_view([buffer[0], buffer[1, :1]]) is None
+    assert linears.stacked_view([buffer[0], torch.zeros(2, 3)]) is None
+    view, descending = linears.stacked_view([buffer[2]])
+    assert view.shape == (1, 2, 3) and not descending
+
+
+def test_inside_a_graph_capture_the_reversed_copy_is_skipped(monkeypatch):
+    """While a CUDA graph is captured, launches are free at replay: the main grads lying in reverse
+    order take one add per expert instead of a reversed copy of the weight gradients plus one add."""
+    weights = expert_weights()
+    buffer = torch.full((len(weights), OUT, IN), 0.5)
+    for i, w in enumerate(weights):
+        w.main_grad = buffer[len(weights) - 1 - i]
+        w.grad_added_to_main_grad = False
+    linears._wgrad_out_dtype(torch.float32, torch.device("cpu"))  # the probe runs before any capture
+    monkeypatch.setattr(linears, "capturing", lambda device: True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("reversed copy made")
+
+    monkeypatch.setattr(torch.Tensor, "flip", refuse)
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    linears.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    for w, ref_dw in zip(weights, reference(x, SPLITS, weights, dy)[2]):
+        close(w.main_grad, ref_dw + 0.5)
+
+
+def test_the_fp32_probe_refuses_to_run_inside_a_capture(monkeypatch):
+    monkeypatch.setattr(linears, "capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match="--cuda-graph-warmup-steps 1 or more"):
+        linears._wgrad_out_dtype(torch.float32, torch.device("cpu"))
+    assert linears._fp32_wgrad_supported == {}
