@@ -29,7 +29,6 @@ if int(os.environ.get("RANK", "0")) != 0:  # one copy of library warnings, not o
     warnings.simplefilter("ignore")
 
 import torch  # noqa: E402
-
 from megatron.core import mpu  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
     BlendedMegatronDatasetBuilder,
@@ -311,8 +310,8 @@ def _check_runtime(args) -> None:
         sys.exit("megatron-patchset: missing packages: " + "; ".join(missing))
     if not torch.cuda.is_available():
         sys.exit(
-            "megatron-patchset: training needs an NVIDIA GPU and none is visible. "
-            "Run with --dry-run to check the flags on this machine."
+            "megatron-patchset: training needs an NVIDIA GPU and none is visible. Run with "
+            "--dry-run to check the flags on this machine."
         )
 
 
@@ -321,8 +320,8 @@ def main() -> None:
         sys.exit(dry_run.run())
     print_rank_0(
         f"> megatron-patchset {patchset_version} on megatron-core "
-        f"{versions.installed_mcore_version()}, torch {torch.__version__}, "
-        f"transformer-engine {versions.installed_te_version() or 'not installed'}"
+        f"{versions.installed_mcore_version()}, torch {torch.__version__}, transformer-engine "
+        f"{versions.installed_te_version() or 'not installed'}"
     )
     try:
         rules.validate(parse_args(add_patchset_args), "layout")

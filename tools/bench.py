@@ -10,7 +10,8 @@ iterations with ``MEGATRON_PATCHSET_METRICS`` set, so megatron's own training lo
 each iteration's exact loss, wall-clock time, FLOPs (megatron's formula) and memory. The
 variant named ``upstream`` is the baseline: unpatched megatron-core (``MEGATRON_PATCHSET=off``,
 or Megatron-LM's own script through ``tools/run_upstream.py`` with ``--upstream-script``); so is
-any variant named ``upstream-...``, with upstream flags of its own (``upstream-graphs=--cuda-graph-impl
+any variant named ``upstream-...``, with upstream flags of its own
+(``upstream-graphs=--cuda-graph-impl
 transformer_engine``).
 
 Per variant it prints: median step time after ``--warmup`` iterations, tokens/s, model
@@ -27,11 +28,13 @@ time, MFU, memory and loss curves) into ``--out``.
 prints a second table pooling each variant's repeats, for configs whose step time drifts during a
 run (a single order would hand the drift to the later variants).
 Leading ``NAME=VALUE`` tokens of a variant are environment variables of that variant only
-(``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=compile.te_norm_traceable --compile-transformer-layers"``).
+(``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=compile.te_norm_traceable
+--compile-transformer-layers"``).
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
 micro-batch-size=1,2,4``); ``--set FLAG=VALUE`` overrides the config for all variants.
 ``--profile-iteration N`` runs iteration N of every variant under ``torch.profiler`` (every
-rank; ``megatron/patchset/core/observe/profile.py``) and prints a second table: pipeline P2P kernel time
+rank; ``megatron/patchset/core/observe/profile.py``) and prints a second table: pipeline P2P kernel
+time
 per direction and its exposed part (no compute kernel running), mean over ranks.
 """
 
@@ -46,7 +49,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -59,7 +61,14 @@ from megatron.patchset.core.observe.profile import PROFILE_ENV  # noqa: E402
 # Dense bf16 matrix-multiply rate used as the MFU denominator, TFLOP/s. For Hopper it is the
 # rate measured on this workplace's H100/H200 (788-798 TFLOP/s for 8192^3 bf16 GEMMs); the
 # datasheet's 989 would give MFUs 0.8x as large. Override with --peak-tflops.
-PEAK_BF16_TFLOPS = {"H100": 790.0, "H200": 790.0, "H800": 790.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
+PEAK_BF16_TFLOPS = {
+    "H100": 790.0,
+    "H200": 790.0,
+    "H800": 790.0,
+    "H20": 148.0,
+    "A100": 312.0,
+    "B200": 2250.0,
+}
 # torchrun --numa-binding modes (torch/numa/binding.py).
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
 
@@ -98,8 +107,10 @@ def device_facts() -> dict:
     facts: dict = {"host_cpus": os.cpu_count()}
     try:
         with open("/proc/cpuinfo") as handle:
-            facts["host_cpu"] = next((line.split(":", 1)[1].strip() for line in handle
-                                      if line.startswith("model name")), None)
+            facts["host_cpu"] = next(
+                (line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")),
+                None,
+            )
     except OSError:
         pass
     try:
@@ -109,7 +120,9 @@ def device_facts() -> dict:
         if torch.cuda.is_available():
             facts["device"] = torch.cuda.get_device_name(0)
             facts["device_count"] = torch.cuda.device_count()
-            facts["device_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+            facts["device_memory_gib"] = round(
+                torch.cuda.get_device_properties(0).total_memory / 2**30, 1
+            )
     except ImportError:
         pass
     try:
@@ -127,7 +140,7 @@ def device_facts() -> dict:
     return facts
 
 
-def default_peak(device: Optional[str]) -> Optional[float]:
+def default_peak(device: str | None) -> float | None:
     if not device:
         return None
     for key, value in PEAK_BF16_TFLOPS.items():
@@ -136,18 +149,24 @@ def default_peak(device: Optional[str]) -> Optional[float]:
     return None
 
 
-def summarize(records: list[dict], warmup: int, peak_tflops: Optional[float],
-              exclude: tuple[int, ...] = ()) -> dict:
+def summarize(
+    records: list[dict], warmup: int, peak_tflops: float | None, exclude: tuple[int, ...] = ()
+) -> dict:
     """Reduce one variant's metrics lines to the table's numbers (``exclude``: iterations left
     out of the timing, such as the profiled one)."""
     iters = [r for r in records if "iteration" in r]
     summary = next((r["summary"] for r in records if "summary" in r), {})
-    timed = [r for r in iters if r["iteration"] > warmup and r.get("time_s") and r["iteration"] not in exclude]
+    timed = [
+        r
+        for r in iters
+        if r["iteration"] > warmup and r.get("time_s") and r["iteration"] not in exclude
+    ]
     if not timed:
         raise ValueError(f"no timed iterations after warm-up {warmup} ({len(iters)} recorded)")
     step = statistics.median(r["time_s"] for r in timed)
     last = iters[-1]
     world = last["world_size"]
+
     def tflops_at(seconds: float) -> float:  # megatron's FLOPs of the iteration, per GPU
         return last["flops"] / seconds / world / 1e12
 
@@ -189,8 +208,9 @@ def variant_files(out_dir: str, name: str) -> tuple[str, str]:
     return os.path.join(out_dir, f"{name}.jsonl"), os.path.join(out_dir, f"{name}.log")
 
 
-def run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout,
-                numa_binding: Optional[str] = None) -> tuple[int, str, str]:
+def run_variant(
+    name, entry_argv, env_extra, nproc, out_dir, timeout, numa_binding: str | None = None
+) -> tuple[int, str, str]:
     metrics, log = variant_files(out_dir, name)
     if os.path.exists(metrics):
         os.remove(metrics)
@@ -200,7 +220,10 @@ def run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout,
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
         f"--nproc-per-node={nproc}",
         *([f"--numa-binding={numa_binding}"] if numa_binding else []),
         *entry_argv,
@@ -209,7 +232,9 @@ def run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout,
         handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         handle.flush()
         try:
-            proc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
+            proc = subprocess.run(
+                cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT
+            )
             code = proc.returncode
         except subprocess.TimeoutExpired:
             code = 124
@@ -225,7 +250,11 @@ def read_profiles(folder: str) -> list[dict]:
     """The per-rank summaries megatron/patchset/core/observe/profile.py wrote under ``folder``."""
     paths = [os.path.join(folder, "summary.json")]
     if os.path.isdir(folder):
-        paths += sorted(os.path.join(folder, d, "summary.json") for d in os.listdir(folder) if d.startswith("rank"))
+        paths += sorted(
+            os.path.join(folder, d, "summary.json")
+            for d in os.listdir(folder)
+            if d.startswith("rank")
+        )
     out = []
     for path in paths:
         if os.path.exists(path):
@@ -272,7 +301,9 @@ def pipeline_pairs(summaries: list[dict]) -> list[dict]:
         peer = by_rank.get(group[1] if group[0] == summary["rank"] else group[0])
         if peer is None:
             continue
-        split = trace_summary.split_p2p_wait(summary.get("p2p_kernels") or [], peer.get("p2p_kernels") or [])
+        split = trace_summary.split_p2p_wait(
+            summary.get("p2p_kernels") or [], peer.get("p2p_kernels") or []
+        )
         if split is not None:
             out.append(split)
     return out
@@ -280,16 +311,30 @@ def pipeline_pairs(summaries: list[dict]) -> list[dict]:
 
 def format_profile_table(rows: list[dict]) -> str:
     """Exposed pipeline P2P per variant (profiled iteration, mean over ranks)."""
-    head = ["variant", "bwd P2P ms", "bwd P2P exposed ms", "bwd peer wait ms", "bwd transfer ms",
-            "bwd transfer exposed ms", "fwd P2P ms", "fwd P2P exposed ms", "GPU idle ms",
-            "exposed bwd vs first", "exposed bwd transfer vs first"]
+    head = [
+        "variant",
+        "bwd P2P ms",
+        "bwd P2P exposed ms",
+        "bwd peer wait ms",
+        "bwd transfer ms",
+        "bwd transfer exposed ms",
+        "fwd P2P ms",
+        "fwd P2P exposed ms",
+        "GPU idle ms",
+        "exposed bwd vs first",
+        "exposed bwd transfer vs first",
+    ]
     table = [head]
     first = next((r for r in rows if not r.get("error")), {})
     base = first.get("p2p_backward_exposed_ms_mean")
     base_transfer = first.get("p2p_backward_transfer_exposed_ms_mean")
 
     def versus(value, reference):
-        return f"{100 * (value - reference) / reference:+.0f}%" if reference and value is not None else "-"
+        return (
+            f"{100 * (value - reference) / reference:+.0f}%"
+            if reference and value is not None
+            else "-"
+        )
 
     def cell(r, key):
         value = r.get(key)
@@ -299,12 +344,21 @@ def format_profile_table(rows: list[dict]) -> str:
         if r.get("error") or "profiled_ranks" not in r:
             table.append([r["variant"]] + ["-"] * (len(head) - 1))
             continue
-        table.append([r["variant"], cell(r, "p2p_backward_kernel_ms_mean"), cell(r, "p2p_backward_exposed_ms_mean"),
-                      cell(r, "p2p_backward_peer_wait_ms_mean"), cell(r, "p2p_backward_transfer_ms_mean"),
-                      cell(r, "p2p_backward_transfer_exposed_ms_mean"),
-                      cell(r, "p2p_forward_kernel_ms_mean"), cell(r, "p2p_forward_exposed_ms_mean"),
-                      cell(r, "gpu_idle_ms_mean"), versus(r.get("p2p_backward_exposed_ms_mean"), base),
-                      versus(r.get("p2p_backward_transfer_exposed_ms_mean"), base_transfer)])
+        table.append(
+            [
+                r["variant"],
+                cell(r, "p2p_backward_kernel_ms_mean"),
+                cell(r, "p2p_backward_exposed_ms_mean"),
+                cell(r, "p2p_backward_peer_wait_ms_mean"),
+                cell(r, "p2p_backward_transfer_ms_mean"),
+                cell(r, "p2p_backward_transfer_exposed_ms_mean"),
+                cell(r, "p2p_forward_kernel_ms_mean"),
+                cell(r, "p2p_forward_exposed_ms_mean"),
+                cell(r, "gpu_idle_ms_mean"),
+                versus(r.get("p2p_backward_exposed_ms_mean"), base),
+                versus(r.get("p2p_backward_transfer_exposed_ms_mean"), base_transfer),
+            ]
+        )
     return trace_summary.markdown_table(table)
 
 
@@ -317,7 +371,7 @@ def run_order(variants: list, repeat: int) -> list[tuple[str, str, list]]:
     repeats are pooled. With repeat > 1 every label gets its repeat number, ``NAME#k``."""
     order = []
     for k in range(repeat):
-        for name, flags in (variants if k % 2 == 0 else variants[::-1]):
+        for name, flags in variants if k % 2 == 0 else variants[::-1]:
             order.append((name if repeat == 1 else f"{name}{REPEAT_MARK}{k + 1}", name, flags))
     return order
 
@@ -332,7 +386,12 @@ def pooled_rows(rows: list[dict]) -> list[dict]:
     pooled = []
     for (base, value), members in groups.items():
         ok = [m for m in members if not m.get("error") and m.get("timed_step_ms")]
-        row = {"variant": base, "sweep_value": value, "runs": len(ok), "failed": len(members) - len(ok)}
+        row = {
+            "variant": base,
+            "sweep_value": value,
+            "runs": len(ok),
+            "failed": len(members) - len(ok),
+        }
         if ok:
             row["step_ms"] = statistics.median(t for m in ok for t in m["timed_step_ms"])
             row["step_ms_per_run"] = [m["step_ms"] for m in ok]
@@ -363,31 +422,50 @@ def format_pooled_table(pooled: list[dict]) -> str:
     for r in pooled:
         first = firsts[r.get("sweep_value")]
         if not r.get("step_ms"):
-            table.append([r["variant"], f"{r['runs']} ({r['failed']} failed)"] + ["-"] * (len(head) - 2))
+            table.append(
+                [r["variant"], f"{r['runs']} ({r['failed']} failed)"] + ["-"] * (len(head) - 2)
+            )
             continue
         runs = str(r["runs"]) + (f" ({r['failed']} failed)" if r["failed"] else "")
-        row = [r["variant"], runs, f"{r['step_ms']:.1f}", " / ".join(f"{t:.1f}" for t in r["step_ms_per_run"]),
-               f"{first['step_ms'] / r['step_ms']:.2f}x" if first.get("step_ms") else "-"]
+        row = [
+            r["variant"],
+            runs,
+            f"{r['step_ms']:.1f}",
+            " / ".join(f"{t:.1f}" for t in r["step_ms_per_run"]),
+            f"{first['step_ms'] / r['step_ms']:.2f}x" if first.get("step_ms") else "-",
+        ]
         if fwd_bwd:
             ok = r.get("fwd_bwd_ms") and first.get("fwd_bwd_ms")
-            row += [f"{r['fwd_bwd_ms']:.1f}" if r.get("fwd_bwd_ms") else "-",
-                    " / ".join(f"{t:.1f}" for t in r.get("fwd_bwd_ms_per_run", []) if t) or "-",
-                    f"{first['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ok else "-"]
+            row += [
+                f"{r['fwd_bwd_ms']:.1f}" if r.get("fwd_bwd_ms") else "-",
+                " / ".join(f"{t:.1f}" for t in r.get("fwd_bwd_ms_per_run", []) if t) or "-",
+                f"{first['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ok else "-",
+            ]
         table.append(row)
     return trace_summary.markdown_table(table)
 
 
 def is_upstream(name: str, flags: list) -> bool:
-    """'upstream' alone, or any variant named 'upstream-...' (with upstream flags), runs unpatched."""
+    """'upstream' alone, or any variant named 'upstream-...' (with upstream flags), runs
+    unpatched."""
     return (name == "upstream" and not flags) or name.startswith("upstream-")
 
 
-def format_table(rows: list[dict], peak: Optional[float]) -> str:
-    """One row per variant; the speed-up is against the first variant of the same sweep value.
-    With megatron's forward-backward timer recorded, three columns more: its time, MFU and speed-up."""
+def format_table(rows: list[dict], peak: float | None) -> str:
+    """One row per variant; the speed-up is against the first variant of the same sweep value. With
+    megatron's forward-backward timer recorded, three columns more: its time, MFU and speed-up."""
     fwd_bwd = any(r.get("fwd_bwd_ms") for r in rows)
-    head = ["variant", "step ms", "tokens/s", "TFLOP/s/GPU", f"MFU@{peak:.0f}" if peak else "MFU",
-            "peak alloc GiB", "peak resv GiB", "final loss", "speed-up"]
+    head = [
+        "variant",
+        "step ms",
+        "tokens/s",
+        "TFLOP/s/GPU",
+        f"MFU@{peak:.0f}" if peak else "MFU",
+        "peak alloc GiB",
+        "peak resv GiB",
+        "final loss",
+        "speed-up",
+    ]
     if fwd_bwd:
         head[2:2] = ["fwd+bwd ms", "fwd+bwd MFU", "fwd+bwd speed-up"]
     table = [head]
@@ -411,14 +489,16 @@ def format_table(rows: list[dict], peak: Optional[float]) -> str:
         ]
         if fwd_bwd:
             ok = r.get("fwd_bwd_ms") and first.get("fwd_bwd_ms")
-            row[2:2] = [f"{r['fwd_bwd_ms']:.1f}" if r.get("fwd_bwd_ms") else "-",
-                        f"{100 * r['fwd_bwd_mfu']:.1f}%" if r.get("fwd_bwd_mfu") is not None else "-",
-                        f"{first['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ok else "-"]
+            row[2:2] = [
+                f"{r['fwd_bwd_ms']:.1f}" if r.get("fwd_bwd_ms") else "-",
+                f"{100 * r['fwd_bwd_mfu']:.1f}%" if r.get("fwd_bwd_mfu") is not None else "-",
+                f"{first['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if ok else "-",
+            ]
         table.append(row)
     return trace_summary.markdown_table(table)
 
 
-def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
+def plot(rows: list[dict], path: str, title: str) -> str | None:
     try:
         import matplotlib
 
@@ -435,8 +515,12 @@ def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
     axes[0].set_ylabel("median step time (ms)")
     axes[1].bar(names, [100 * (r.get("mfu") or 0) for r in ok], color="tab:green")
     axes[1].set_ylabel("MFU (%)")
-    axes[2].bar(names, [r.get("peak_reserved_gib") or 0 for r in ok], color="tab:red", label="reserved")
-    axes[2].bar(names, [r.get("peak_allocated_gib") or 0 for r in ok], color="tab:orange", label="allocated")
+    axes[2].bar(
+        names, [r.get("peak_reserved_gib") or 0 for r in ok], color="tab:red", label="reserved"
+    )
+    axes[2].bar(
+        names, [r.get("peak_allocated_gib") or 0 for r in ok], color="tab:orange", label="allocated"
+    )
     axes[2].set_ylabel("peak GPU memory (GiB)")
     axes[2].legend()
     for r in ok:
@@ -454,47 +538,94 @@ def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", required=True, help="flag file (examples/configs/*.args)")
-    p.add_argument("--variant", action="append", type=parse_variant, default=[],
-                   help="NAME=FLAGS; repeatable. 'upstream' (no flags) is the unpatched baseline. "
-                        "Default: upstream only.")
-    p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun --nproc-per-node). Default: 1.")
-    p.add_argument("--iters", type=int, default=30, help="training iterations per variant. Default: 30.")
-    p.add_argument("--warmup", type=int, default=10, help="iterations excluded from timing. Default: 10.")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run the variants this many times, every second time in mirrored order (ABC CBA "
-                        "...), and print a second table pooling the repeats: for configs whose step time "
-                        "drifts during a run. Rows are named NAME#k. Default: 1.")
-    p.add_argument("--set", action="append", type=parse_assignment, default=[],
-                   help="FLAG=VALUE config override for every variant (repeatable).")
-    p.add_argument("--sweep", type=parse_assignment, default=None,
-                   help="FLAG=V1,V2,...: run every variant once per value.")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="bf16 dense peak for MFU. Default: by device (Hopper: 790, measured).")
-    p.add_argument("--upstream-script", default=None,
-                   help="Megatron-LM's pretrain_gpt.py: the 'upstream' variant runs it through "
-                        "tools/run_upstream.py instead of this repo's script with MEGATRON_PATCHSET=off.")
-    p.add_argument("--numa-binding", choices=NUMA_BINDINGS, default=None,
-                   help="torchrun --numa-binding: bind each rank to the CPUs near its GPU (node: the "
-                        "GPU's NUMA node). Host-bound configs (small micro-batches) vary from run to run "
-                        "with where the scheduler puts the rank's threads. Default: no binding.")
+    p.add_argument(
+        "--variant",
+        action="append",
+        type=parse_variant,
+        default=[],
+        help="NAME=FLAGS; repeatable. 'upstream' (no flags) is the unpatched baseline. "
+        "Default: upstream only.",
+    )
+    p.add_argument(
+        "--nproc", type=int, default=1, help="GPUs (torchrun --nproc-per-node). Default: 1."
+    )
+    p.add_argument(
+        "--iters", type=int, default=30, help="training iterations per variant. Default: 30."
+    )
+    p.add_argument(
+        "--warmup", type=int, default=10, help="iterations excluded from timing. Default: 10."
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the variants this many times, every second time in mirrored order (ABC CBA "
+        "...), and print a second table pooling the repeats: for configs whose step time drifts "
+        "during a run. Rows are named NAME#k. Default: 1.",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        type=parse_assignment,
+        default=[],
+        help="FLAG=VALUE config override for every variant (repeatable).",
+    )
+    p.add_argument(
+        "--sweep",
+        type=parse_assignment,
+        default=None,
+        help="FLAG=V1,V2,...: run every variant once per value.",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="bf16 dense peak for MFU. Default: by device (Hopper: 790, measured).",
+    )
+    p.add_argument(
+        "--upstream-script",
+        default=None,
+        help="Megatron-LM's pretrain_gpt.py: the 'upstream' variant runs it through "
+        "tools/run_upstream.py instead of this repo's script with MEGATRON_PATCHSET=off.",
+    )
+    p.add_argument(
+        "--numa-binding",
+        choices=NUMA_BINDINGS,
+        default=None,
+        help="torchrun --numa-binding: bind each rank to the CPUs near its GPU (node: the "
+        "GPU's NUMA node). Host-bound configs (small micro-batches) vary from run to run with "
+        "where the scheduler puts the rank's threads. Default: no binding.",
+    )
     p.add_argument("--out", default="bench-out", help="output folder. Default: bench-out.")
     p.add_argument("--timeout", type=int, default=900, help="seconds per variant. Default: 900.")
     p.add_argument("--title", default=None, help="chart title.")
-    p.add_argument("--profile-iteration", type=int, default=None,
-                   help="run this iteration (1-based, after the warm-up) of every variant under "
-                        "torch.profiler (megatron/patchset/core/observe/profile.py, every rank) and add a table "
-                        "of exposed pipeline P2P time; the iteration is left out of the step time.")
-    p.add_argument("--time-fwd-bwd", action="store_true",
-                   help="time megatron's forward-backward call from outside, between two device "
-                        "synchronisations, in every variant (MEGATRON_PATCHSET_TIME_FWD_BWD=1): the fwd+bwd "
-                        "columns without --timing-log-level 1, whose timer cannot run inside a "
-                        "full-iteration CUDA graph.")
-    p.add_argument("--report-only", action="store_true",
-                   help="run nothing: rebuild the table, bench.json and chart from the metrics files "
-                        "an earlier run with the same --out and variants left (for a run cut off after "
-                        "its variants had finished). Pass --peak-tflops when this machine has no GPU.")
+    p.add_argument(
+        "--profile-iteration",
+        type=int,
+        default=None,
+        help="run this iteration (1-based, after the warm-up) of every variant under "
+        "torch.profiler (megatron/patchset/core/observe/profile.py, every rank) and add a table "
+        "of exposed pipeline P2P time; the iteration is left out of the step time.",
+    )
+    p.add_argument(
+        "--time-fwd-bwd",
+        action="store_true",
+        help="time megatron's forward-backward call from outside, between two device "
+        "synchronisations, in every variant (MEGATRON_PATCHSET_TIME_FWD_BWD=1): the fwd+bwd "
+        "columns without --timing-log-level 1, whose timer cannot run inside a full-iteration "
+        "CUDA graph.",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rebuild the table, bench.json and chart from the metrics files "
+        "an earlier run with the same --out and variants left (for a run cut off after its "
+        "variants had finished). Pass --peak-tflops when this machine has no GPU.",
+    )
     opts = p.parse_args(argv)
 
     variants = opts.variant or [("upstream", [])]
@@ -507,7 +638,10 @@ def main(argv=None) -> int:
         p.error("--repeat must be at least 1")
     if opts.warmup >= opts.iters:
         p.error("--warmup must be smaller than --iters")
-    if opts.profile_iteration is not None and not opts.warmup < opts.profile_iteration <= opts.iters:
+    if (
+        opts.profile_iteration is not None
+        and not opts.warmup < opts.profile_iteration <= opts.iters
+    ):
         p.error("--profile-iteration must be after the warm-up and at most --iters")
     if opts.profile_iteration is not None and opts.iters - opts.warmup < 2:
         p.error("--profile-iteration needs at least one more timed iteration after the warm-up")
@@ -543,16 +677,36 @@ def main(argv=None) -> int:
                 metrics, log = variant_files(opts.out, safe)
                 code = 0 if os.path.exists(metrics) else 2
             else:
-                print(f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...", flush=True)
-                code, metrics, log = run_variant(safe, entry + argv + flags, env, opts.nproc, opts.out,
-                                                 opts.timeout, opts.numa_binding)
-            row = {"variant": label, "flags": flags, "env": env, "exit_code": code, "log": log, "sweep_value": value}
+                print(
+                    f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...",
+                    flush=True,
+                )
+                code, metrics, log = run_variant(
+                    safe,
+                    entry + argv + flags,
+                    env,
+                    opts.nproc,
+                    opts.out,
+                    opts.timeout,
+                    opts.numa_binding,
+                )
+            row = {
+                "variant": label,
+                "flags": flags,
+                "env": env,
+                "exit_code": code,
+                "log": log,
+                "sweep_value": value,
+            }
             if opts.report_only and code != 0:
                 row["error"] = f"no metrics file {metrics}"
                 print(f"[bench] {label}: {row['error']}", flush=True)
             elif code != 0 or not os.path.exists(metrics):
                 row["error"] = f"exit code {code}"
-                print(f"[bench] {label} FAILED (exit {code}); last lines of {log}:\n{tail(log)}", flush=True)
+                print(
+                    f"[bench] {label} FAILED (exit {code}); last lines of {log}:\n{tail(log)}",
+                    flush=True,
+                )
             else:
                 exclude = (opts.profile_iteration,) if opts.profile_iteration is not None else ()
                 try:
@@ -563,7 +717,9 @@ def main(argv=None) -> int:
                     row.update(profile_columns(read_profiles(profile_dir)))
             rows.append(row)
 
-    title = opts.title or f"{os.path.basename(opts.config)} on {opts.nproc}x {facts.get('device', '?')}"
+    title = (
+        opts.title or f"{os.path.basename(opts.config)} on {opts.nproc}x {facts.get('device', '?')}"
+    )
     result = {
         "config": opts.config,
         "nproc": opts.nproc,
@@ -586,21 +742,28 @@ def main(argv=None) -> int:
         json.dump(result, handle, indent=1)
     chart = plot(rows, os.path.join(opts.out, "bench.png"), title)
     print()
-    print(f"{title}; torch {facts.get('torch')}, megatron-core {facts.get('megatron_core')}, "
-          f"transformer-engine {facts.get('transformer_engine')}; {opts.iters} iterations, "
-          f"median of the last {opts.iters - opts.warmup}")
+    print(
+        f"{title}; torch {facts.get('torch')}, megatron-core {facts.get('megatron_core')}, "
+        f"transformer-engine {facts.get('transformer_engine')}; {opts.iters} iterations, median of "
+        f"the last {opts.iters - opts.warmup}"
+    )
     print(format_table(rows, peak))
     if pooled is not None:
         print()
-        print(f"pooled over {opts.repeat} repeats in mirrored order (ABC CBA ...): median of every "
-              f"repeat's timed iterations, each repeat's own median, speed-up against the first variant")
+        print(
+            f"pooled over {opts.repeat} repeats in mirrored order (ABC CBA ...): median of every "
+            "repeat's timed iterations, each repeat's own median, speed-up against the first "
+            "variant"
+        )
         print(format_pooled_table(pooled))
     if opts.profile_iteration is not None:
         print()
-        print(f"torch.profiler, iteration {opts.profile_iteration}, mean over ranks: pipeline P2P kernel time "
-              f"and the part of it with no compute kernel running (exposed); with PP=2 each kernel is also "
-              f"split, against its peer's matching kernel, into peer wait (until the peer's kernel starts: "
-              f"the pipeline dependency) and transfer (the rest)")
+        print(
+            f"torch.profiler, iteration {opts.profile_iteration}, mean over ranks: pipeline P2P "
+            "kernel time and the part of it with no compute kernel running (exposed); with PP=2 "
+            "each kernel is also split, against its peer's matching kernel, into peer wait (until "
+            "the peer's kernel starts: the pipeline dependency) and transfer (the rest)"
+        )
         print(format_profile_table(rows))
     print(f"wrote {os.path.join(opts.out, 'bench.json')}" + (f" and {chart}" if chart else ""))
     return 1 if any(r.get("error") for r in rows) else 0

@@ -13,16 +13,35 @@ def main(folder: str) -> None:
             run = json.load(handle)
         losses = run.get("losses") or []
 
-        def at(i):
+        def at(i, losses=losses):
             return f"{losses[i - 1]:.4f}" if len(losses) >= i else "-"
 
         step = run.get("step_ms")
         peak = (run.get("summary") or {}).get("max_allocated_gib")
-        rows.append([run["name"], str(run["nproc"]), str(len(losses)), at(1), at(10),
-                     at(len(losses)) if losses else "-",
-                     f"{step:.1f}" if step else "-", f"{peak:.2f}" if peak else "-",
-                     f"{run.get('seconds', 0):.0f}"])
-    head = ["run", "GPUs", "iters", "loss it1", "loss it10", "loss last", "step ms", "peak GiB", "wall s"]
+        rows.append(
+            [
+                run["name"],
+                str(run["nproc"]),
+                str(len(losses)),
+                at(1),
+                at(10),
+                at(len(losses)) if losses else "-",
+                f"{step:.1f}" if step else "-",
+                f"{peak:.2f}" if peak else "-",
+                f"{run.get('seconds', 0):.0f}",
+            ]
+        )
+    head = [
+        "run",
+        "GPUs",
+        "iters",
+        "loss it1",
+        "loss it10",
+        "loss last",
+        "step ms",
+        "peak GiB",
+        "wall s",
+    ]
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     for row in [head] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))

@@ -19,9 +19,8 @@ import argparse
 import collections
 import pickle
 import sys
-from typing import Optional
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def call_site(frames: list) -> str:
@@ -86,11 +85,16 @@ def report(paths: list[str], top: int, device: int, out=sys.stdout) -> None:
         with open(path, "rb") as handle:
             total, live = peak(pickle.load(handle), device)
         results.append((path, total, by_site(live)))
-        print(f"{path}: peak {total / GIB:.2f} GiB allocated in the trace window, {len(live)} blocks", file=out)
-    base: Optional[dict] = results[0][2] if len(results) > 1 else None
+        print(
+            f"{path}: peak {total / GIB:.2f} GiB allocated in the trace window, {len(live)} blocks",
+            file=out,
+        )
+    base: dict | None = results[0][2] if len(results) > 1 else None
     last_path, _, sites = results[-1]
     rows = sorted(sites.items(), key=lambda kv: -(kv[1][0] - (base or {}).get(kv[0], [0, 0])[0]))
-    header = "GiB at peak" + ("  vs first  (first)" if base is not None else "") + "  blocks  call site"
+    header = (
+        "GiB at peak" + ("  vs first  (first)" if base is not None else "") + "  blocks  call site"
+    )
     print(f"\nlargest call sites at the peak of {last_path}:\n{header}", file=out)
     for site, (size, count) in rows[:top]:
         line = f"{size / GIB:11.3f}"
@@ -100,10 +104,14 @@ def report(paths: list[str], top: int, device: int, out=sys.stdout) -> None:
         print(f"{line}  {count:6d}  {site}", file=out)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("snapshots", nargs="+", help="megatron's --memory-snapshot-path files; with two or "
-                        "more, the last is compared site by site with the first")
+    parser.add_argument(
+        "snapshots",
+        nargs="+",
+        help="megatron's --memory-snapshot-path files; with two or "
+        "more, the last is compared site by site with the first",
+    )
     parser.add_argument("--top", type=int, default=20, help="call sites to print")
     parser.add_argument("--device", type=int, default=0, help="device index inside the snapshot")
     args = parser.parse_args(argv)

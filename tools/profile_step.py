@@ -7,7 +7,8 @@
 Trains the config through ``pretrain_gpt.py`` under ``torchrun`` (as ``tools/bench.py`` does,
 with its helpers) for ``--warmup`` + 1 iterations, with ``MEGATRON_PATCHSET_PROFILE`` set so
 that the observe patch ``training.observe_train_step`` (``megatron.patchset.core.observe.profile``)
-runs the last iteration under ``torch.profiler`` with labels on megatron's attention, router, dispatch,
+runs the last iteration under ``torch.profiler`` with labels on megatron's attention, router,
+dispatch,
 permutation, expert, combine and optimizer code. Rank 0 writes ``<out>/trace.json`` (open it in
 Perfetto or chrome://tracing) and ``<out>/summary.json``; this tool prints the summary as
 Markdown: host time per category (forward and backward), kernel launches, device-to-host syncs
@@ -32,6 +33,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import bench  # noqa: E402
+
 from megatron.patchset.core import argsfile  # noqa: E402
 from megatron.patchset.core.observe import profile, trace_summary  # noqa: E402
 
@@ -67,35 +69,70 @@ def unprofiled_step_ms(metrics_path: str, profiled: int) -> dict:
         records = [r for r in bench.read_metrics(metrics_path) if "iteration" in r]
     except OSError:
         return {}
-    plain = [r["time_s"] * 1e3 for r in records if r.get("time_s") and 2 < r["iteration"] < profiled]
+    plain = [
+        r["time_s"] * 1e3 for r in records if r.get("time_s") and 2 < r["iteration"] < profiled
+    ]
     this = [r["time_s"] * 1e3 for r in records if r.get("time_s") and r["iteration"] == profiled]
-    return {"warm_step_ms": statistics.median(plain) if plain else None,
-            "profiled_step_ms": this[0] if this else None}
+    return {
+        "warm_step_ms": statistics.median(plain) if plain else None,
+        "profiled_step_ms": this[0] if this else None,
+    }
 
 
 def report(summary: dict, extra: dict | None = None) -> str:
     head = []
-    facts = {k: summary.get(k) for k in ("iteration", "device", "world_size", "micro_batch_size", "seq_length",
-                                         "num_layers", "num_experts", "moe_router_topk",
-                                         "moe_token_dispatcher_type", "expert_model_parallel_size")
-             if summary.get(k) is not None}
+    facts = {
+        k: summary.get(k)
+        for k in (
+            "iteration",
+            "device",
+            "world_size",
+            "micro_batch_size",
+            "seq_length",
+            "num_layers",
+            "num_experts",
+            "moe_router_topk",
+            "moe_token_dispatcher_type",
+            "expert_model_parallel_size",
+        )
+        if summary.get(k) is not None
+    }
     if facts:
         head.append("profiled: " + ", ".join(f"{k}={v}" for k, v in facts.items()))
     if extra and extra.get("warm_step_ms"):
-        head.append(f"unprofiled step time (median of warm-up iterations 3..): {extra['warm_step_ms']:.2f} ms; "
-                    f"profiled iteration: {extra.get('profiled_step_ms') or float('nan'):.2f} ms")
+        head.append(
+            f"unprofiled step time (median of warm-up iterations 3..): {extra['warm_step_ms']:.2f} "
+            f"ms; profiled iteration: {extra.get('profiled_step_ms') or float('nan'):.2f} ms"
+        )
     return "\n".join(head + ["", trace_summary.format_summary(summary)])
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", help="flag file (examples/configs/*.args)")
-    p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun --nproc-per-node). Default: 1.")
-    p.add_argument("--set", action="append", type=bench.parse_assignment, default=[],
-                   help="FLAG=VALUE config override (repeatable), as in bench.py.")
-    p.add_argument("--flags", default="", help="extra flags, one string (e.g. \"--moe-permute-fusion\").")
-    p.add_argument("--warmup", type=int, default=5, help="iterations before the profiled one. Default: 5.")
-    p.add_argument("--upstream", action="store_true", help="profile unpatched megatron (MEGATRON_PATCHSET=off).")
+    p.add_argument(
+        "--nproc", type=int, default=1, help="GPUs (torchrun --nproc-per-node). Default: 1."
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        type=bench.parse_assignment,
+        default=[],
+        help="FLAG=VALUE config override (repeatable), as in bench.py.",
+    )
+    p.add_argument(
+        "--flags", default="", help='extra flags, one string (e.g. "--moe-permute-fusion").'
+    )
+    p.add_argument(
+        "--warmup", type=int, default=5, help="iterations before the profiled one. Default: 5."
+    )
+    p.add_argument(
+        "--upstream",
+        action="store_true",
+        help="profile unpatched megatron (MEGATRON_PATCHSET=off).",
+    )
     p.add_argument("--out", default="prof-out", help="output folder. Default: prof-out.")
     p.add_argument("--timeout", type=int, default=900, help="seconds for the run. Default: 900.")
     p.add_argument("--summary", default=None, help="print this summary.json and exit (no run).")
@@ -126,17 +163,34 @@ def main(argv=None) -> int:
     if opts.upstream:
         env["MEGATRON_PATCHSET"] = "off"
     entry = [os.path.join(ROOT, "pretrain_gpt.py")]
-    print(f"[profile_step] {opts.config}: {opts.nproc} process(es), profiling iteration {iteration} ...", flush=True)
-    code, metrics, log = bench.run_variant("profile", entry + train_argv, env, opts.nproc, out, opts.timeout)
+    print(
+        f"[profile_step] {opts.config}: {opts.nproc} process(es), profiling iteration {iteration} "
+        "...",
+        flush=True,
+    )
+    code, metrics, log = bench.run_variant(
+        "profile", entry + train_argv, env, opts.nproc, out, opts.timeout
+    )
     if code != 0 or not os.path.exists(summary_path):
-        print(f"[profile_step] FAILED (exit {code}, summary {'present' if os.path.exists(summary_path) else 'missing'}); "
-              f"last lines of {log}:\n{bench.tail(log)}", flush=True)
+        print(
+            f"[profile_step] FAILED (exit {code}, summary "
+            f"{'present' if os.path.exists(summary_path) else 'missing'}); last lines of "
+            f"{log}:\n{bench.tail(log)}",
+            flush=True,
+        )
         return 1
     with open(summary_path) as handle:
         summary = json.load(handle)
     extra = unprofiled_step_ms(metrics, iteration)
-    summary["run"] = {"config": opts.config, "nproc": opts.nproc, "overrides": [[f, v] for f, v in opts.set],
-                      "flags": opts.flags, "upstream": opts.upstream, "facts": bench.device_facts(), **extra}
+    summary["run"] = {
+        "config": opts.config,
+        "nproc": opts.nproc,
+        "overrides": [[f, v] for f, v in opts.set],
+        "flags": opts.flags,
+        "upstream": opts.upstream,
+        "facts": bench.device_facts(),
+        **extra,
+    }
     with open(summary_path, "w") as handle:
         json.dump(summary, handle, indent=1)
     print(report(summary, extra))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: create .venv (Python >= 3.12 with the pinned CPU stack) when it is missing
-# or stale, then run the CPU test tier. Extra arguments go to pytest, e.g.
+# or stale, then run ruff (lint and format check, the repository's config) and the CPU test tier.
+# Extra arguments go to pytest (and skip ruff), e.g.
 #   bash tools/run_tests.sh -k registry          # a subset
 #   bash tools/run_tests.sh tests/gpu            # the GPU tier (skips without GPUs)
 set -euo pipefail
@@ -44,5 +45,9 @@ fi
 
 # Inductor's cache (the compile tests) stays inside the venv instead of growing in /tmp.
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.venv/inductor-cache}"
-if [ $# -eq 0 ]; then set -- tests/unit; fi
+if [ $# -eq 0 ]; then
+  .venv/bin/ruff check .
+  .venv/bin/ruff format --check .
+  set -- tests/unit
+fi
 exec .venv/bin/python -m pytest -q "$@"

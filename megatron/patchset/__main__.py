@@ -13,12 +13,17 @@ def main(argv=None) -> int:
         description=f"megatron-patchset {__version__}: patches over megatron-core "
         f"{versions.SUPPORTED_MCORE_VERSION}, grouped by feature.",
     )
-    parser.add_argument("--list", action="store_true",
-                        help="Print every feature with its flags, rules and patches.")
-    parser.add_argument("--reasons", action="store_true",
-                        help="With --list, add each patch's reason.")
-    parser.add_argument("--check-versions", action="store_true",
-                        help="Check the installed megatron-core and TransformerEngine versions and exit.")
+    parser.add_argument(
+        "--list", action="store_true", help="Print every feature with its flags, rules and patches."
+    )
+    parser.add_argument(
+        "--reasons", action="store_true", help="With --list, add each patch's reason."
+    )
+    parser.add_argument(
+        "--check-versions",
+        action="store_true",
+        help="Check the installed megatron-core and TransformerEngine versions and exit.",
+    )
     opts = parser.parse_args(argv)
     if opts.check_versions:
         try:

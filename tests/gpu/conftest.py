@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+
 from megatron.patchset.core import argsfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,7 +81,9 @@ class Run:
     def step_ms(self, warmup=5):
         import statistics
 
-        times = [r["time_s"] for r in self.iterations if r["iteration"] > warmup and r.get("time_s")]
+        times = [
+            r["time_s"] for r in self.iterations if r["iteration"] > warmup and r.get("time_s")
+        ]
         return 1e3 * statistics.median(times) if times else None
 
     @property
@@ -91,7 +94,9 @@ class Run:
 class _Job:
     """One torchrun launch in progress."""
 
-    def __init__(self, tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900, check=True):
+    def __init__(
+        self, tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900, check=True
+    ):
         self.name, self.nproc, self.argv, self.env = name, nproc, argv, env or {}
         self.timeout, self.check = timeout, check
         self.metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
@@ -102,13 +107,22 @@ class _Job:
         environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         environ["PYTHONPATH"] = ROOT + os.pathsep + environ.get("PYTHONPATH", "")
         entry = entry or [os.path.join(ROOT, "pretrain_gpt.py")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", *entry, *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *entry,
+            *argv,
+        ]
         self.started = time.time()
         self.handle = open(self.log, "w")
         self.handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         self.handle.flush()
-        self.proc = subprocess.Popen(cmd, env=environ, stdout=self.handle, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            cmd, env=environ, stdout=self.handle, stderr=subprocess.STDOUT, cwd=ROOT
+        )
 
     def finish(self):
         try:
@@ -132,9 +146,20 @@ class _Job:
         if report_dir:
             os.makedirs(report_dir, exist_ok=True)
             with open(os.path.join(report_dir, f"{self.name}.json"), "w") as handle:
-                json.dump({"name": self.name, "nproc": self.nproc, "argv": self.argv, "env": self.env,
-                           "seconds": seconds, "losses": run.losses, "grad_norms": run.grad_norms,
-                           "step_ms": run.step_ms(), "summary": run.summary}, handle)
+                json.dump(
+                    {
+                        "name": self.name,
+                        "nproc": self.nproc,
+                        "argv": self.argv,
+                        "env": self.env,
+                        "seconds": seconds,
+                        "losses": run.losses,
+                        "grad_norms": run.grad_norms,
+                        "step_ms": run.step_ms(),
+                        "summary": run.summary,
+                    },
+                    handle,
+                )
         return run
 
 
@@ -142,7 +167,9 @@ def launch(tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900, ch
     """torchrun ``entry`` (default pretrain_gpt.py) on ``nproc`` GPUs; returns a :class:`Run`.
     With ``check=False`` a failed run is returned too (``run.returncode``, ``run.log``) instead
     of failing the test."""
-    return _Job(tmp_path, name, nproc, argv, env=env, entry=entry, timeout=timeout, check=check).finish()
+    return _Job(
+        tmp_path, name, nproc, argv, env=env, entry=entry, timeout=timeout, check=check
+    ).finish()
 
 
 def launch_many(jobs, *, timeout=900):

@@ -19,8 +19,11 @@ def check_learning(run):
     assert losses[0] > 7.5
     assert losses[49] < losses[0] - 3.0
     assert losses[49] < losses[9]
-    print(f"\n{run.name}: loss it1 {losses[0]:.4f} it10 {losses[9]:.4f} it50 {losses[49]:.4f}; "
-          f"median step {run.step_ms():.1f} ms; peak {run.summary.get('max_allocated_gib', 0):.2f} GiB")
+    print(
+        f"\n{run.name}: loss it1 {losses[0]:.4f} it10 {losses[9]:.4f} it50 {losses[49]:.4f}; "
+        f"median step {run.step_ms():.1f} ms; peak {run.summary.get('max_allocated_gib', 0):.2f} "
+        "GiB"
+    )
 
 
 @pytest.mark.gpus(1)
@@ -40,15 +43,30 @@ def test_fork_matches_unpatched_upstream(tmp_path):
     (release branch core_r0.19.0, run unmodified through tools/run_upstream.py) give
     bit-identical losses and gradient norms."""
     if not os.path.exists(UPSTREAM_SCRIPT):
-        pytest.skip(f"Megatron-LM's pretrain_gpt.py not found at {UPSTREAM_SCRIPT} "
-                    f"(set MEGATRON_LM_PRETRAIN_GPT)")
+        pytest.skip(
+            f"Megatron-LM's pretrain_gpt.py not found at {UPSTREAM_SCRIPT} (set "
+            "MEGATRON_LM_PRETRAIN_GPT)"
+        )
     argv = tiny_argv("--train-iters", "20", "--deterministic-mode")
     fork = launch(tmp_path, "tiny_fork", 1, argv)
-    upstream = launch(tmp_path, "tiny_upstream", 1, argv,
-                      entry=[os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-                          os.path.abspath(__file__)))), "tools", "run_upstream.py"), UPSTREAM_SCRIPT])
+    upstream = launch(
+        tmp_path,
+        "tiny_upstream",
+        1,
+        argv,
+        entry=[
+            os.path.join(
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                "tools",
+                "run_upstream.py",
+            ),
+            UPSTREAM_SCRIPT,
+        ],
+    )
     assert len(fork.losses) == len(upstream.losses) == 20
     assert first_difference(fork.losses, upstream.losses) is None
     assert first_difference(fork.grad_norms, upstream.grad_norms) is None
-    print(f"\nfork == upstream for 20 iterations: last loss {fork.losses[-1]!r}, "
-          f"grad norm {fork.grad_norms[-1]!r}")
+    print(
+        f"\nfork == upstream for 20 iterations: last loss {fork.losses[-1]!r}, grad norm "
+        f"{fork.grad_norms[-1]!r}"
+    )

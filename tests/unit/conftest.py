@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from megatron.patchset.core import argsfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -14,8 +15,9 @@ REFERENCE = os.path.join(ROOT, "examples", "configs", "reference_moe.args")
 
 def parse(argv, world_size=1):
     """megatron's parse_args with the fork's flags, as pretrain_gpt.py parses them."""
-    from megatron.patchset.core.flags import add_patchset_args
     from megatron.training.arguments import parse_args
+
+    from megatron.patchset.core.flags import add_patchset_args
 
     saved_argv, saved_ws = sys.argv, os.environ.get("WORLD_SIZE")
     sys.argv = ["pretrain_gpt.py", *argv]
@@ -61,8 +63,9 @@ def validated(argv, world_size=1):
     import contextlib
     import io
 
-    from megatron.patchset.core.dry_run import target_device
     from megatron.training.arguments import validate_args
+
+    from megatron.patchset.core.dry_run import target_device
 
     args = parse(argv, world_size)
     with target_device(), contextlib.redirect_stdout(io.StringIO()):
@@ -74,12 +77,21 @@ def run_example(path, env=None, *, drop=()):
     """Run an example launcher (``bash <path>`` from the repository root) with this interpreter
     as its PYTHON. The calling shell's Slurm and torchrun variables (``SLURM_*``, ``WORLD_SIZE``)
     and the names in ``drop`` are left out of its environment; ``env`` is added."""
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith("SLURM_") and k != "WORLD_SIZE" and k not in drop}
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SLURM_") and k != "WORLD_SIZE" and k not in drop
+    }
     environ["PYTHON"] = sys.executable
     environ.update(env or {})
-    return subprocess.run(["bash", os.path.join(ROOT, path)], capture_output=True, text=True,
-                          env=environ, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        ["bash", os.path.join(ROOT, path)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def dry_run_example(path, *, drop=(), **knobs):
@@ -105,10 +117,11 @@ def combination_failures(argv, world_size):
     import contextlib
     import io
 
-    from megatron.patchset.core import rules
-    from megatron.patchset.core.dry_run import target_device
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import validate_args
+
+    from megatron.patchset.core import rules
+    from megatron.patchset.core.dry_run import target_device
 
     args = parse(argv, world_size)
     args.rank = 0

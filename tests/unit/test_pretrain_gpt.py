@@ -6,13 +6,19 @@ import math
 
 import pytest
 import torch.multiprocessing as mp
+
 from tests.unit.support import cpu_train
 
 
 def train(tmp_path, world_size, *extra, steps=6):
     out = str(tmp_path / "run")
     argv = cpu_train.cpu_argv("--global-batch-size", str(2 * world_size), *extra)
-    mp.spawn(cpu_train.run, args=(world_size, argv, cpu_train.free_port(), out, steps), nprocs=world_size, join=True)
+    mp.spawn(
+        cpu_train.run,
+        args=(world_size, argv, cpu_train.free_port(), out, steps),
+        nprocs=world_size,
+        join=True,
+    )
     return [json.load(open(f"{out}.rank{r}.json")) for r in range(world_size)]
 
 

@@ -2,7 +2,8 @@
 
 ``datasets.compile_helpers``: on rank 0, ``megatron.training.initialize`` calls
 ``megatron.core.datasets.utils.compile_helpers``, which runs ``make`` in the installed
-``megatron/core/datasets`` folder. The megatron-core wheel ships the compiled extension (``helpers_cpp``) but no Makefile, so upstream's call fails and
+``megatron/core/datasets`` folder. The megatron-core wheel ships the compiled extension
+(``helpers_cpp``) but no Makefile, so upstream's call fails and
 exits the job. The replacement uses the shipped extension when it imports, and otherwise builds
 ``helpers.cpp`` itself with the C++ compiler and pybind11 into the same folder.
 """
@@ -71,8 +72,8 @@ def compile_helpers() -> None:
         command = _build_command(folder)
     except ImportError:
         sys.exit(
-            "megatron-patchset: megatron.core.datasets.helpers_cpp does not import and "
-            "pybind11 is missing to build it: pip install pybind11"
+            "megatron-patchset: megatron.core.datasets.helpers_cpp does not import and pybind11 "
+            "is missing to build it: pip install pybind11"
         )
     print(f"> building dataset helpers: {' '.join(command)}", flush=True)
     if subprocess.run(command).returncode != 0 or not _helpers_importable():

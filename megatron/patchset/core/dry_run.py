@@ -20,7 +20,7 @@ import io
 import logging
 import sys
 import types
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 from megatron.patchset.core import features, flags, registry, rules, versions
 
@@ -56,8 +56,8 @@ def target_device() -> Iterator[list[str]]:
 
     Yields the list of emulated facts (empty on a machine with a GPU and TE).
     """
-    import torch
     import megatron.core.utils as mcore_utils
+    import torch
 
     emulated: list[str] = []
     saved: list[tuple[object, str, object]] = []
@@ -76,7 +76,9 @@ def target_device() -> Iterator[list[str]]:
         )
         swap(torch.cuda, "get_device_capability", lambda *a, **k: TARGET_CAPABILITY)
         swap(torch.cuda, "get_device_properties", lambda *a, **k: props)
-        emulated.append(f"GPU: sm_{TARGET_CAPABILITY[0]}{TARGET_CAPABILITY[1]} ({TARGET_DEVICE_NAME})")
+        emulated.append(
+            f"GPU: sm_{TARGET_CAPABILITY[0]}{TARGET_CAPABILITY[1]} ({TARGET_DEVICE_NAME})"
+        )
     if importlib.util.find_spec("transformer_engine") is None:
         from packaging.version import Version
 
@@ -113,12 +115,19 @@ def required_packages(args: argparse.Namespace) -> list[tuple[str, str]]:
         "BertWordPieceCase": "transformers",
     }
     if args.tokenizer_type in tokenizer_pkgs:
-        need.append((tokenizer_pkgs[args.tokenizer_type], f"--tokenizer-type {args.tokenizer_type}"))
+        need.append(
+            (tokenizer_pkgs[args.tokenizer_type], f"--tokenizer-type {args.tokenizer_type}")
+        )
     if getattr(args, "gradient_accumulation_fusion", False):
         # megatron's own ColumnParallelLinear (the output layer, also with the TE spec) then
         # needs apex's fused_weight_gradient_mlp_cuda extension.
-        need.append(("apex (fused_weight_gradient_mlp_cuda extension)",
-                     "gradient accumulation fusion, on by default; or pass --no-gradient-accumulation-fusion"))
+        need.append(
+            (
+                "apex (fused_weight_gradient_mlp_cuda extension)",
+                "gradient accumulation fusion, on by default; or pass "
+                "--no-gradient-accumulation-fusion",
+            )
+        )
     if getattr(args, "wandb_project", None):
         need.append(("wandb", "--wandb-project"))
     if getattr(args, "tensorboard_dir", None):
@@ -128,7 +137,7 @@ def required_packages(args: argparse.Namespace) -> list[tuple[str, str]]:
     return need
 
 
-def _import_name(package: str) -> Optional[str]:
+def _import_name(package: str) -> str | None:
     base = package.split("[")[0].split("=")[0].split(" ")[0].strip()
     if base == "apex":
         return "fused_weight_gradient_mlp_cuda"
@@ -164,9 +173,9 @@ def _layout_lines(args: argparse.Namespace) -> list[str]:
         f"  expert tensor parallel (ETP) ...... {etp}",
         f"  data parallel (DP) ................ {args.data_parallel_size}",
         f"  expert data parallel .............. {expert_dp}",
-        f"  micro-batches per step ............ "
-        f"{args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)}"
-        f" (global {args.global_batch_size}, micro {args.micro_batch_size})",
+        "  micro-batches per step ............ "
+        f"{args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)} (global "
+        f"{args.global_batch_size}, micro {args.micro_batch_size})",
     ]
 
 
@@ -210,7 +219,8 @@ def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
         mtp_num_layers=None,
         # the dispatcher holds no parameters; all-gather's needs no CUDA stream at build time
         moe_token_dispatcher_type="allgather",
-        moe_flex_dispatcher_backend="deepep",  # the config default: ncclep/hybridep checks need flex
+        # the config default: the ncclep/hybridep checks need the flex dispatcher
+        moe_flex_dispatcher_backend="deepep",
         moe_expert_rank_capacity_factor=None,
         moe_paged_stash=False,
         # schedule options that require expert parallelism, which the unsharded build drops
@@ -268,15 +278,15 @@ def _padded_vocab(args: argparse.Namespace) -> None:
 
 
 def run(
-    argv: Optional[list[str]] = None,
+    argv: list[str] | None = None,
     extra_args_provider: Callable = flags.add_patchset_args,
     out=None,
 ) -> int:
     """Run the dry-run check; returns the process exit code (0 = valid)."""
     out = out or sys.stdout
     argv = list(sys.argv[1:] if argv is None else argv)
-    from megatron.training.arguments import parse_args, validate_args
     from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.arguments import parse_args, validate_args
 
     def say(line=""):
         print(line, file=out, flush=True)
@@ -313,27 +323,36 @@ def run(
             for line in _layout_lines(args):
                 say(line)
             enabled = features.enabled(args)
-            say("fork features enabled: " + ("; ".join(f.describe(args) for f in enabled) or "none"))
+            say(
+                "fork features enabled: " + ("; ".join(f.describe(args) for f in enabled) or "none")
+            )
             wanted = registry.wanted(args)
             say(f"patches that would apply ({len(wanted)}):")
             width = max(len(p.name) for p in wanted)
             for p in wanted:
                 say(f"  {p.name:<{width}} {p.target}")
-            say(f"model: {type(config).__name__}, {args.num_layers} layers, hidden {args.hidden_size}, "
-                f"{args.num_experts or 0} experts (top-{args.moe_router_topk if args.num_experts else 0}), "
-                f"params {str(config.params_dtype).replace('torch.', '')}")
+            say(
+                f"model: {type(config).__name__}, {args.num_layers} layers, hidden "
+                f"{args.hidden_size}, {args.num_experts or 0} experts "
+                f"(top-{args.moe_router_topk if args.num_experts else 0}), params "
+                f"{str(config.params_dtype).replace('torch.', '')}"
+            )
             try:
                 _padded_vocab(args)
                 with contextlib.redirect_stdout(io.StringIO()):
                     total, active = count_parameters(args, config)
-                say(f"parameters: {total:,} in total, {active:,} active per token "
-                    f"(padded vocabulary {args.padded_vocab_size:,})")
+                say(
+                    f"parameters: {total:,} in total, {active:,} active per token (padded "
+                    f"vocabulary {args.padded_vocab_size:,})"
+                )
             except Exception as exc:
                 say(f"parameter count unavailable: {type(exc).__name__}: {exc}")
             try:
                 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 
-                num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+                num_micro = args.global_batch_size // (
+                    args.micro_batch_size * args.data_parallel_size
+                )
                 estimate = io.StringIO()
                 with contextlib.redirect_stdout(estimate):
                     report_theoretical_memory(args, num_microbatches=num_micro, verbose=True)

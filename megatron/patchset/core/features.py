@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megatron.patchset.core.errors import PatchsetError
 
@@ -64,18 +65,19 @@ class Feature:
     status: str
     modules: tuple[str, ...] = ()
     flags: tuple[str, ...] = ()
-    add_arguments: Optional[Callable[[argparse._ArgumentGroup], None]] = None
+    add_arguments: Callable[[argparse._ArgumentGroup], None] | None = None
     packages: Callable[[Any], PackageList] = _no_packages
-    configure_config: Optional[Callable[[Any, Any], None]] = None
-    pre_wrap_hook: Optional[Callable[[Any], Callable[[list], list]]] = None
-    in_use: Optional[Callable[[Any], list[str]]] = None
+    configure_config: Callable[[Any, Any], None] | None = None
+    pre_wrap_hook: Callable[[Any], Callable[[list], list]] | None = None
+    in_use: Callable[[Any], list[str]] | None = None
 
     def __post_init__(self):
         verified = self.status.startswith("not yet verified on ") and self.status.endswith(" GPUs")
         if self.status not in STATUSES and not verified:
             raise PatchsetError(
                 f"feature {self.name}: status {self.status!r} is not one of {', '.join(STATUSES)} "
-                f"or 'not yet verified on N GPUs'")
+                "or 'not yet verified on N GPUs'"
+            )
         if bool(self.flags) != (self.add_arguments is not None):
             raise PatchsetError(f"feature {self.name}: flags and add_arguments go together")
 
@@ -115,7 +117,9 @@ def load() -> list[Feature]:
         for name in ORDER:
             feature = importlib.import_module(f"megatron.patchset.features.{name}").FEATURE
             if feature.name != name:
-                raise PatchsetError(f"features/{name}/__init__.py describes a feature named {feature.name!r}")
+                raise PatchsetError(
+                    f"features/{name}/__init__.py describes a feature named {feature.name!r}"
+                )
             for module in feature.modules:
                 importlib.import_module(module)
             loaded[name] = feature

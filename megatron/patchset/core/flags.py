@@ -21,9 +21,9 @@ def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--dry-run",
         action="store_true",
         help="Validate the flag combination for the given world size without a GPU: run "
-        "megatron's argument validation, build the model's TransformerConfig, run the "
-        "fork's rules, print the parallel layout, fork features, patches, parameter count "
-        "and theoretical memory, then exit (0 when the combination is valid).",
+        "megatron's argument validation, build the model's TransformerConfig, run the fork's "
+        "rules, print the parallel layout, fork features, patches, parameter count and "
+        "theoretical memory, then exit (0 when the combination is valid).",
     )
     group.add_argument(
         "--dry-run-world-size",

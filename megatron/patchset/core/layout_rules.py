@@ -13,10 +13,15 @@ import os
 from megatron.patchset.core.predicates import etp, layout_is_uneven, model_parallel, world_size
 from megatron.patchset.core.rules import rule
 
+
 @rule(
     "model-parallel-divides-world-size",
     phase="layout",
-    flags=("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"),
+    flags=(
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--context-parallel-size",
+    ),
 )
 def _model_parallel_divides_world(args):
     """TP x PP x CP must divide the number of GPUs."""
@@ -34,24 +39,36 @@ def _model_parallel_divides_world(args):
 @rule(
     "expert-parallel-divides-world-size",
     phase="layout",
-    flags=("--expert-model-parallel-size", "--expert-tensor-parallel-size", "--pipeline-model-parallel-size"),
+    flags=(
+        "--expert-model-parallel-size",
+        "--expert-tensor-parallel-size",
+        "--pipeline-model-parallel-size",
+    ),
 )
 def _expert_parallel_divides_world(args):
     """ETP x EP x PP must divide the number of GPUs (MoE layers' own process grid)."""
-    ep, pp, world = args.expert_model_parallel_size, args.pipeline_model_parallel_size, world_size(args)
+    ep, pp, world = (
+        args.expert_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        world_size(args),
+    )
     etp_size = etp(args)
     if world % (ep * etp_size * pp):
         return (
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp_size} x "
             f"--pipeline-model-parallel-size {pp} = {ep * etp_size * pp} does not divide the world "
             f"size {world}. Use an --expert-model-parallel-size that divides "
-            f"{world // max(1, etp_size * pp) if world % (etp_size * pp) == 0 else world} "
-            f"(the GPUs left per pipeline stage after expert tensor parallelism)."
+            f"{world // max(1, etp_size * pp) if world % (etp_size * pp) == 0 else world} (the "
+            "GPUs left per pipeline stage after expert tensor parallelism)."
         )
     return None
 
 
-@rule("experts-divisible-by-expert-parallel", phase="layout", flags=("--num-experts", "--expert-model-parallel-size"))
+@rule(
+    "experts-divisible-by-expert-parallel",
+    phase="layout",
+    flags=("--num-experts", "--expert-model-parallel-size"),
+)
 def _experts_divisible(args):
     """Every expert-parallel rank must own the same number of experts."""
     ep = args.expert_model_parallel_size
@@ -59,37 +76,53 @@ def _experts_divisible(args):
         return f"--expert-model-parallel-size {ep} needs a MoE model: set --num-experts."
     if args.num_experts is not None and args.num_experts % ep:
         return (
-            f"--num-experts {args.num_experts} is not a multiple of "
-            f"--expert-model-parallel-size {ep}; every expert-parallel rank must hold the same "
-            f"number of experts."
+            f"--num-experts {args.num_experts} is not a multiple of --expert-model-parallel-size "
+            f"{ep}; every expert-parallel rank must hold the same number of experts."
         )
     return None
 
 
-@rule("heads-divisible-by-tensor-parallel", phase="layout", flags=("--num-attention-heads", "--num-query-groups", "--tensor-model-parallel-size"))
+@rule(
+    "heads-divisible-by-tensor-parallel",
+    phase="layout",
+    flags=("--num-attention-heads", "--num-query-groups", "--tensor-model-parallel-size"),
+)
 def _heads_divisible(args):
     """Attention heads and query groups are split across tensor-parallel ranks."""
     tp = args.tensor_model_parallel_size
     problems = []
     if args.num_attention_heads is not None and args.num_attention_heads % tp:
         problems.append(f"--num-attention-heads {args.num_attention_heads}")
-    if getattr(args, "group_query_attention", False) and args.num_query_groups and args.num_query_groups % tp:
+    if (
+        getattr(args, "group_query_attention", False)
+        and args.num_query_groups
+        and args.num_query_groups % tp
+    ):
         problems.append(f"--num-query-groups {args.num_query_groups}")
     if problems:
         return f"{' and '.join(problems)} not divisible by --tensor-model-parallel-size {tp}."
     return None
 
 
-@rule("layers-divisible-by-pipeline", phase="layout", flags=("--num-layers", "--pipeline-model-parallel-size"))
+@rule(
+    "layers-divisible-by-pipeline",
+    phase="layout",
+    flags=("--num-layers", "--pipeline-model-parallel-size"),
+)
 def _layers_divisible(args):
     """An even pipeline split needs num_layers % PP == 0."""
     pp = args.pipeline_model_parallel_size
-    if pp > 1 and args.num_layers is not None and not layout_is_uneven(args) and args.num_layers % pp:
+    if (
+        pp > 1
+        and args.num_layers is not None
+        and not layout_is_uneven(args)
+        and args.num_layers % pp
+    ):
         return (
             f"--num-layers {args.num_layers} does not split evenly over "
             f"--pipeline-model-parallel-size {pp}; change either, or give an uneven split with "
-            f"--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers or "
-            f"--pipeline-model-parallel-layout."
+            "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers or "
+            "--pipeline-model-parallel-layout."
         )
     return None
 
@@ -104,27 +137,34 @@ def _global_batch_divisible(args):
     per_step = args.micro_batch_size * dp
     if args.global_batch_size % per_step:
         return (
-            f"--global-batch-size {args.global_batch_size} is not a multiple of "
-            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp} = {per_step}."
+            f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}."
         )
     return None
 
 
-@rule("pretrain-gpt-data-scope", phase="layout", flags=("--sft", "--dataloader-inter-document-masking"))
+@rule(
+    "pretrain-gpt-data-scope",
+    phase="layout",
+    flags=("--sft", "--dataloader-inter-document-masking"),
+)
 def _pretrain_scope(args):
     """This pretrain_gpt.py trains on packed pretraining samples (mock or indexed data)."""
     offending = [
         flag
         for flag, on in (
             ("--sft", getattr(args, "sft", False)),
-            ("--dataloader-inter-document-masking", getattr(args, "dataloader_inter_document_masking", False)),
+            (
+                "--dataloader-inter-document-masking",
+                getattr(args, "dataloader_inter_document_masking", False),
+            ),
         )
         if on
     ]
     if offending:
         return (
             f"{', '.join(offending)}: variable-length (THD) batches are not supported by "
-            f"megatron-patchset's pretrain_gpt.py yet; drop the flag."
+            "megatron-patchset's pretrain_gpt.py yet; drop the flag."
         )
     return None
 
@@ -141,7 +181,9 @@ _FILE_TOKENIZERS = {
 }
 
 
-@rule("data-and-tokenizer", phase="layout", flags=("--mock-data", "--data-path", "--tokenizer-type"))
+@rule(
+    "data-and-tokenizer", phase="layout", flags=("--mock-data", "--data-path", "--tokenizer-type")
+)
 def _data_and_tokenizer(args):
     """Training needs data (mock or indexed) and a tokenizer that can be built."""
     problems = []
@@ -153,12 +195,14 @@ def _data_and_tokenizer(args):
         or any(getattr(args, f"{s}_data_path", None) for s in ("train", "valid", "test"))
     )
     if not has_data:
-        problems.append("no training data: pass --mock-data or --data-path (or --train-data-path ...).")
+        problems.append(
+            "no training data: pass --mock-data or --data-path (or --train-data-path ...)."
+        )
     tok = args.tokenizer_type
     if tok is None:
         problems.append(
-            "--tokenizer-type is not set: use NullTokenizer with --vocab-size for mock data, "
-            "or the tokenizer your data was preprocessed with."
+            "--tokenizer-type is not set: use NullTokenizer with --vocab-size for mock data, or "
+            "the tokenizer your data was preprocessed with."
         )
     elif tok == "NullTokenizer" and not args.vocab_size:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size.")
@@ -175,16 +219,25 @@ def _data_and_tokenizer(args):
 def _eval_interval_set(args):
     """megatron 0.19.2 divides --train-iters by --eval-interval when sizing the validation set,
     even with --eval-iters 0; without it every rank fails after the model is built."""
-    if args.train_iters and args.eval_interval is None and not args.full_validation and not args.skip_train:
+    if (
+        args.train_iters
+        and args.eval_interval is None
+        and not args.full_validation
+        and not args.skip_train
+    ):
         return (
             "--eval-interval is not set: megatron-core 0.19.2 needs it with --train-iters (it "
-            "sizes the validation set from it even with --eval-iters 0). Set e.g. "
-            "--eval-interval 1000."
+            "sizes the validation set from it even with --eval-iters 0). Set e.g. --eval-interval "
+            "1000."
         )
     return None
 
 
-@rule("lr-warmup-shorter-than-decay", phase="layout", flags=("--lr-warmup-iters", "--lr-decay-iters", "--train-iters"))
+@rule(
+    "lr-warmup-shorter-than-decay",
+    phase="layout",
+    flags=("--lr-warmup-iters", "--lr-decay-iters", "--train-iters"),
+)
 def _lr_warmup_shorter_than_decay(args):
     """megatron's LR scheduler asserts warm-up < decay (decay defaults to --train-iters)."""
     if not args.train_iters or args.lr_warmup_fraction is not None:
@@ -195,8 +248,6 @@ def _lr_warmup_shorter_than_decay(args):
         return (
             f"--lr-warmup-iters {args.lr_warmup_iters} is not shorter than the decay length "
             f"{decay} ({source}); megatron's scheduler refuses it after the model is built. "
-            f"Shorten the warm-up or lengthen the run."
+            "Shorten the warm-up or lengthen the run."
         )
     return None
-
-

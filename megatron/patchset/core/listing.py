@@ -1,8 +1,7 @@
-"""``python -m megatron.patchset --list``: the registry, grouped by feature, for a 100-column terminal."""
+"""``python -m megatron.patchset --list``: the registry, grouped by feature, for a 100-column
+terminal."""
 
 from __future__ import annotations
-
-from typing import Optional
 
 from megatron.patchset.core import features, registry, rules
 from megatron.patchset.core.versions import SUPPORTED_MCORE_VERSION
@@ -10,7 +9,7 @@ from megatron.patchset.core.versions import SUPPORTED_MCORE_VERSION
 WIDTH = 100
 
 
-def wrap(text: str, indent: str, first: Optional[str] = None, width: int = WIDTH) -> list[str]:
+def wrap(text: str, indent: str, first: str | None = None, width: int = WIDTH) -> list[str]:
     """``text`` filled to ``width`` after ``first`` (then ``indent``); a word longer than a line
     (a dotted path) is broken before a dot, never inside a name."""
     lines: list[str] = []
@@ -35,7 +34,9 @@ def wrap(text: str, indent: str, first: Optional[str] = None, width: int = WIDTH
     return lines
 
 
-def _patch_lines(patch: registry.Patch, feature: Optional[features.Feature], reasons: bool) -> list[str]:
+def _patch_lines(
+    patch: registry.Patch, feature: features.Feature | None, reasons: bool
+) -> list[str]:
     notes = [patch.kind]
     if feature is None or patch.when != feature.switches:
         notes.append("always" if not patch.when else "on " + ", ".join(patch.when))
@@ -53,8 +54,11 @@ def format_list(reasons: bool = False) -> str:
     loaded = features.load()
     patches = registry.registered()
     core = [p for p in patches if p.feature is None]
-    out = [f"megatron-patchset over megatron-core {SUPPORTED_MCORE_VERSION}: {len(patches)} patches, "
-           f"{len(loaded)} features (docs/features/<name>.md)", ""]
+    out = [
+        f"megatron-patchset over megatron-core {SUPPORTED_MCORE_VERSION}: {len(patches)} patches, "
+        f"{len(loaded)} features (docs/features/<name>.md)",
+        "",
+    ]
     out.append("core: compat and observe patches, applied whenever their condition holds")
     for p in core:
         out += _patch_lines(p, None, reasons)

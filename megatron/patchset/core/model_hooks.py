@@ -9,7 +9,7 @@ upstream code) plug in here, and those whose options upstream code reads from th
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 from megatron.patchset.core import features
 
@@ -30,5 +30,8 @@ def configure_transformer_config(args: argparse.Namespace, config) -> None:
 def pre_wrap_hooks(args: argparse.Namespace) -> list[ModelHook]:
     """Hooks the parsed flags ask for, in feature order (only ``torch_compile`` has one: a hook
     that changes layers must come before it, since compilation traces what it finds)."""
-    return [feature.pre_wrap_hook(args) for feature in features.enabled(args)
-            if feature.pre_wrap_hook is not None]
+    return [
+        feature.pre_wrap_hook(args)
+        for feature in features.enabled(args)
+        if feature.pre_wrap_hook is not None
+    ]

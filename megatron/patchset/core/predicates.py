@@ -21,7 +21,11 @@ def etp(args: argparse.Namespace) -> int:
 
 def model_parallel(args: argparse.Namespace) -> int:
     """TP x PP x CP."""
-    return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    return (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
 
 
 def layout_is_uneven(args: argparse.Namespace) -> bool:
@@ -50,7 +54,8 @@ def layer_graphs_capture(args: argparse.Namespace, scopes: set[str]) -> bool:
 
 
 def capacity_limited(args: argparse.Namespace) -> bool:
-    """An expert capacity is set (megatron treats a negative --moe-expert-capacity-factor as none)."""
+    """An expert capacity is set (megatron treats a negative --moe-expert-capacity-factor as
+    none)."""
     factor = getattr(args, "moe_expert_capacity_factor", None)
     return factor is not None and factor >= 0
 
@@ -59,4 +64,5 @@ def stash_or_budget(args: Any) -> bool:
     """MoE paged stashing (``--moe-paged-stash``) or a static per-rank receive budget
     (``--moe-expert-rank-capacity-factor``) is asked for."""
     return bool(getattr(args, "moe_paged_stash", False)) or (
-        getattr(args, "moe_expert_rank_capacity_factor", None) is not None)
+        getattr(args, "moe_expert_rank_capacity_factor", None) is not None
+    )

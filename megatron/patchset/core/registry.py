@@ -35,7 +35,8 @@ import importlib
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from megatron.patchset.core.errors import PatchsetError, PatchTargetError
 from megatron.patchset.core.versions import (
@@ -81,10 +82,10 @@ class Patch:
     factory: Callable[[Any], Any]
     reason: str
     module: str
-    feature: Optional[str] = None
-    upstream_pr: Optional[str] = None
-    flags: Optional[tuple[str, ...]] = None
-    enabled: Optional[Callable[[Any], bool]] = None
+    feature: str | None = None
+    upstream_pr: str | None = None
+    flags: tuple[str, ...] | None = None
+    enabled: Callable[[Any], bool] | None = None
     kind: str = "feature"
 
     def _feature(self):
@@ -129,9 +130,9 @@ _REGISTRY: dict[str, Patch] = {}
 _APPLIED: dict[str, _Applied] = {}  # insertion-ordered: revert walks it backwards
 
 
-def _feature_of(module: str) -> Optional[str]:
+def _feature_of(module: str) -> str | None:
     if module.startswith(FEATURES_PACKAGE + "."):
-        return module[len(FEATURES_PACKAGE) + 1:].split(".")[0]
+        return module[len(FEATURES_PACKAGE) + 1 :].split(".")[0]
     return None
 
 
@@ -140,9 +141,9 @@ def patch(
     target: str,
     *,
     reason: str,
-    upstream_pr: Optional[str] = None,
-    flags: Optional[Iterable[str]] = None,
-    enabled: Optional[Callable[[Any], bool]] = None,
+    upstream_pr: str | None = None,
+    flags: Iterable[str] | None = None,
+    enabled: Callable[[Any], bool] | None = None,
     kind: str = "feature",
 ) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
     """Declare a patch: decorates the factory that turns the upstream original into the
@@ -230,7 +231,9 @@ def resolve_owner(target: str) -> tuple[Any, str]:
     owner = module
     for name in parts[split:-1]:
         if not hasattr(owner, name):
-            raise PatchTargetError(_drift_message(target, f"{owner.__name__!s} has no attribute {name!r}"))
+            raise PatchTargetError(
+                _drift_message(target, f"{owner.__name__!s} has no attribute {name!r}")
+            )
         owner = getattr(owner, name)
     attr = parts[-1]
     if not hasattr(owner, attr):
@@ -245,9 +248,9 @@ def _drift_message(target: str, detail: str) -> str:
     except Exception:  # pragma: no cover - megatron-core missing entirely
         mcore = "not installed"
     return (
-        f"patch target {target} no longer exists ({detail}); megatron-core {mcore} is "
-        f"installed and the patch was written for {SUPPORTED_MCORE_VERSION}. The upstream "
-        f"symbol moved or was renamed: update the patch's target."
+        f"patch target {target} no longer exists ({detail}); megatron-core {mcore} is installed "
+        f"and the patch was written for {SUPPORTED_MCORE_VERSION}. The upstream symbol moved or "
+        "was renamed: update the patch's target."
     )
 
 
@@ -273,7 +276,7 @@ def _mark(replacement: Any, patch: Patch, original: Any) -> Any:
     try:
         setattr(inner, SENTINEL, patch.name)
         if getattr(inner, "__wrapped__", None) is None:
-            setattr(inner, "__wrapped__", _unwrap_descriptor(original))
+            inner.__wrapped__ = _unwrap_descriptor(original)
     except (AttributeError, TypeError) as exc:
         raise PatchsetError(
             f"patch {patch.name}: the replacement {inner!r} cannot carry the patch sentinel"
@@ -281,7 +284,7 @@ def _mark(replacement: Any, patch: Patch, original: Any) -> Any:
     return replacement
 
 
-def patched_by(obj: Any) -> Optional[str]:
+def patched_by(obj: Any) -> str | None:
     """Name of the patch that installed ``obj``, or None for an upstream object."""
     return getattr(_unwrap_descriptor(obj), SENTINEL, None)
 
@@ -304,8 +307,8 @@ def apply_patches(patches: Iterable[Patch], *, check: bool = True) -> list[str]:
         current = patched_by(raw)
         if current is not None:
             raise PatchsetError(
-                f"{patch.target} is already replaced by patch {current!r}; two patches may "
-                f"not target the same symbol"
+                f"{patch.target} is already replaced by patch {current!r}; two patches may not "
+                "target the same symbol"
             )
         original = raw
         # Class attributes keep their descriptor kind (staticmethod stays staticmethod).
@@ -351,8 +354,11 @@ def apply(args: Any) -> list[str]:
     if skipped:
         left_out = [p.name for p in patches if p.name in skipped]
         if os.environ.get("RANK", "0") == "0":
-            print(f"megatron-patchset: {SKIP_ENV} leaves out {', '.join(left_out) or 'nothing'} "
-                  f"(diagnostics: the run is not the fork's configuration)", flush=True)
+            print(
+                f"megatron-patchset: {SKIP_ENV} leaves out {', '.join(left_out) or 'nothing'} "
+                "(diagnostics: the run is not the fork's configuration)",
+                flush=True,
+            )
         patches = [p for p in patches if p.name not in skipped]
     if upstream_mode():
         feature = [p for p in patches if p.kind == "feature"]
@@ -364,7 +370,7 @@ def apply(args: Any) -> list[str]:
     return apply_patches(patches)
 
 
-def revert(names: Optional[Iterable[str]] = None) -> list[str]:
+def revert(names: Iterable[str] | None = None) -> list[str]:
     """Put upstream's originals back (all applied patches by default), newest first."""
     selected = set(_APPLIED) if names is None else set(names)
     reverted = []

@@ -22,7 +22,8 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megatron.patchset.core.registry import _feature_of
 
@@ -35,7 +36,7 @@ SKIP_RULES_ENV = "MEGATRON_PATCHSET_SKIP_RULES"
 class PatchsetArgumentError(ValueError):
     """One or more flag combinations are invalid; the message lists each with its fix."""
 
-    def __init__(self, failures: list[tuple["Rule", str]]):
+    def __init__(self, failures: list[tuple[Rule, str]]):
         self.failures = failures
         lines = [f"megatron-patchset: {len(failures)} invalid flag combination(s):"]
         for rule, message in failures:
@@ -51,9 +52,9 @@ class Rule:
     name: str
     phase: str
     flags: tuple[str, ...]
-    check: Callable[..., Optional[str]]
+    check: Callable[..., str | None]
     doc: str
-    feature: Optional[str] = None
+    feature: str | None = None
 
 
 _RULES: list[Rule] = []
@@ -65,10 +66,12 @@ def rule(name: str, *, phase: str, flags: tuple[str, ...]) -> Callable:
         raise ValueError(f"unknown phase {phase!r}")
     module = sys._getframe(1).f_globals.get("__name__", "")
 
-    def decorate(fn: Callable[..., Optional[str]]):
+    def decorate(fn: Callable[..., str | None]):
         if any(r.name == name for r in _RULES):
             raise ValueError(f"rule {name!r} defined twice")
-        _RULES.append(Rule(name, phase, tuple(flags), fn, (fn.__doc__ or "").strip(), _feature_of(module)))
+        _RULES.append(
+            Rule(name, phase, tuple(flags), fn, (fn.__doc__ or "").strip(), _feature_of(module))
+        )
         return fn
 
     return decorate
@@ -82,7 +85,7 @@ def all_rules() -> list[Rule]:
     return sorted(_RULES, key=lambda r: order[r.feature])  # stable: declaration order within
 
 
-def listed(lead: str, problems: list[str]) -> Optional[str]:
+def listed(lead: str, problems: list[str]) -> str | None:
     """A rule's message: ``lead`` and the problems, "; "-separated; None when there are none."""
     return f"{lead}{'; '.join(problems)}." if problems else None
 

@@ -7,8 +7,6 @@ the installed and the expected version.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from megatron.patchset.core.errors import PatchsetVersionError
 
 SUPPORTED_MCORE_VERSION = "0.19.2"
@@ -39,7 +37,7 @@ def installed_mcore_version() -> str:
     return f"{major}.{minor}.{patch}{pre}"
 
 
-def installed_te_version() -> Optional[str]:
+def installed_te_version() -> str | None:
     """TransformerEngine's version, or None when it is not installed."""
     from importlib import metadata
 
@@ -51,15 +49,15 @@ def installed_te_version() -> Optional[str]:
     return None
 
 
-def check_versions(mcore_version: Optional[str] = None, te_version: Optional[str] = "__detect__") -> None:
+def check_versions(mcore_version: str | None = None, te_version: str | None = "__detect__") -> None:
     """Refuse to patch an upstream the patches were not written for."""
     mcore = installed_mcore_version() if mcore_version is None else mcore_version
     if mcore != SUPPORTED_MCORE_VERSION:
         raise PatchsetVersionError(
             f"megatron-patchset targets megatron-core=={SUPPORTED_MCORE_VERSION}, but "
-            f"megatron-core {mcore} is installed. Install the pinned version "
-            f"(pip install megatron-core=={SUPPORTED_MCORE_VERSION}); patches are not applied "
-            f"to other versions because the upstream symbols they replace may have changed."
+            f"megatron-core {mcore} is installed. Install the pinned version (pip install "
+            f"megatron-core=={SUPPORTED_MCORE_VERSION}); patches are not applied to other versions "
+            "because the upstream symbols they replace may have changed."
         )
     te = installed_te_version() if te_version == "__detect__" else te_version
     if te is not None:

@@ -8,18 +8,18 @@ when tests/gpu/conftest.py launches them).
 from __future__ import annotations
 
 import sys
-from megatron.patchset.core import flags
+
+from megatron.patchset.core import flags, registry, rules
 from megatron.patchset.core.observe import metrics
-from megatron.patchset.core import registry
-from megatron.patchset.core import rules
 
 
 def initialize(argv: list[str]):
     """pretrain_gpt.py's start-up up to megatron's initialization: the fork's layout rules,
     megatron's argument validation, the patches the flags ask for."""
-    import pretrain_gpt
     from megatron.training.arguments import parse_and_validate_args, parse_args
     from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
+
+    import pretrain_gpt
 
     sys.argv = [sys.argv[0], *argv]
     rules.validate(parse_args(flags.add_patchset_args), "layout")
@@ -31,12 +31,18 @@ def initialize(argv: list[str]):
 
 
 def reseed(args) -> None:
-    """The seeding initialize_megatron did (python, numpy, torch and megatron's CUDA RNG tracker)."""
+    """The seeding initialize_megatron did (python, numpy, torch and megatron's CUDA RNG
+    tracker)."""
     from megatron.training.initialize import _set_random_seed
 
     graphable = args.cuda_graph_impl != "none"
-    _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker,
-                     args.inference_rng_tracker, use_cudagraphable_rng=graphable)
+    _set_random_seed(
+        args.seed,
+        args.data_parallel_random_init,
+        args.te_rng_tracker,
+        args.inference_rng_tracker,
+        use_cudagraphable_rng=graphable,
+    )
 
 
 def setup_model_and_optimizer(args, model_config):
@@ -56,8 +62,9 @@ def setup_model_and_optimizer(args, model_config):
 
 def cached_batches(args, count: int):
     """``count`` micro-batches from megatron's data iterators, read once for every mode."""
-    import pretrain_gpt
     from megatron.training.training import build_train_valid_test_data_iterators
+
+    import pretrain_gpt
 
     args.iteration = getattr(args, "iteration", 0)  # normally set by setup_model_and_optimizer
     train_iterator, _, _ = build_train_valid_test_data_iterators(
@@ -95,16 +102,27 @@ def prepare_training(model, optimizer, batches):
     return config, get_forward_backward_func(), data
 
 
-def train_one_step(args, iteration, data, model, optimizer, scheduler, config, forward_backward_func) -> dict:
+def train_one_step(
+    args, iteration, data, model, optimizer, scheduler, config, forward_backward_func
+) -> dict:
     """One megatron ``train_step`` with pretrain_gpt.py's ``forward_step``; returns the
     iteration's record (``iteration`` counted from 1, ``losses``, ``grad_norm``, ``skipped``)."""
-    import pretrain_gpt
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
     from megatron.training.training import train_step
 
+    import pretrain_gpt
+
     args.curr_iteration = iteration
-    result = train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler, config,
-                        forward_backward_func, iteration=iteration)
+    result = train_step(
+        pretrain_gpt.forward_step,
+        data,
+        model,
+        optimizer,
+        scheduler,
+        config,
+        forward_backward_func,
+        iteration=iteration,
+    )
     loss_dict, skipped, grad_norm = result[0], result[1], result[5]
     clear_aux_losses_tracker()
     return {

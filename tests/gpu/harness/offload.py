@@ -1,7 +1,7 @@
-"""torchrun harness for megatron.patchset.features.offload: the model and optimizer built by megatron's
-``setup_model_and_optimizer`` (DDP or Megatron-FSDP, per the flags), trained with megatron's
-``train_step`` and pretrain_gpt.py's ``forward_step`` on cached batches, in three modes that start
-from identical seeds:
+"""torchrun harness for megatron.patchset.features.offload: the model and optimizer built by
+megatron's ``setup_model_and_optimizer`` (DDP or Megatron-FSDP, per the flags), trained with
+megatron's ``train_step`` and pretrain_gpt.py's ``forward_step`` on cached batches, in three modes
+that start from identical seeds:
 
 ``plain``
     ``--train-iters`` iterations;
@@ -68,9 +68,17 @@ def run_mode(args, mode: str, batches, write) -> None:
             during = torch.cuda.memory_allocated()
             offload.reload(model, optimizer)
             after = torch.cuda.memory_allocated()
-            write({"mode": mode, "event": "offload", "allocated_before": before,
-                   "allocated_offloaded": during, "allocated_reloaded": after, **state.summary(),
-                   "param_bytes": sum(p.numel() * p.element_size() for p in _params(model))})
+            write(
+                {
+                    "mode": mode,
+                    "event": "offload",
+                    "allocated_before": before,
+                    "allocated_offloaded": during,
+                    "allocated_reloaded": after,
+                    **state.summary(),
+                    "param_bytes": sum(p.numel() * p.element_size() for p in _params(model)),
+                }
+            )
         if iteration == half and mode == "naive":
             for param in _params(model):
                 param.data = param.data.cpu()
@@ -78,13 +86,23 @@ def run_mode(args, mode: str, batches, write) -> None:
             for param in _params(model):
                 param.data = param.data.cuda()
             snapshot = [p.detach().clone() for p in _params(model)]
-        record = train_one_step(args, iteration, data, model, optimizer, scheduler, config,
-                                forward_backward_func)
+        record = train_one_step(
+            args, iteration, data, model, optimizer, scheduler, config, forward_backward_func
+        )
         write({"mode": mode, **record})
         if iteration == half and mode == "naive":
-            changes = [float((p.detach() - s).abs().max()) for p, s in zip(_params(model), snapshot)]
-            write({"mode": mode, "event": "naive", "params": len(changes),
-                   "params_changed": sum(c > 0 for c in changes), "max_change": max(changes)})
+            changes = [
+                float((p.detach() - s).abs().max()) for p, s in zip(_params(model), snapshot)
+            ]
+            write(
+                {
+                    "mode": mode,
+                    "event": "naive",
+                    "params": len(changes),
+                    "params_changed": sum(c > 0 for c in changes),
+                    "max_change": max(changes),
+                }
+            )
     del model, optimizer, scheduler, config
     gc.collect()
     torch.cuda.empty_cache()
@@ -95,10 +113,14 @@ def main() -> None:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import print_rank_0
 
-    modes = [m.strip() for m in os.environ.get("OFFLOAD_MODES", DEFAULT_MODES).split(",") if m.strip()]
+    modes = [
+        m.strip() for m in os.environ.get("OFFLOAD_MODES", DEFAULT_MODES).split(",") if m.strip()
+    ]
     unknown = set(modes) - {"plain", "offload", "naive"}
     if unknown:
-        raise SystemExit(f"OFFLOAD_MODES: unknown mode(s) {sorted(unknown)} (plain, offload, naive)")
+        raise SystemExit(
+            f"OFFLOAD_MODES: unknown mode(s) {sorted(unknown)} (plain, offload, naive)"
+        )
     args = initialize(sys.argv[1:])
     write = metrics_writer()
 

@@ -38,7 +38,6 @@ import dataclasses
 import gc
 import os
 import sys
-from typing import Optional
 
 from megatron.patchset.core import registry
 from megatron.patchset.features.p2p_overlap import flags as p2p_flags
@@ -60,7 +59,7 @@ DEFAULT_MODES = "upstream,fork:1,fork:2,fork:all:tl"
 class Mode:
     label: str
     fork: bool
-    delayed_layers: Optional[str] = None  # "1", "2", ..., or "all"
+    delayed_layers: str | None = None  # "1", "2", ..., or "all"
     transformer_layer_wgrad: bool = False
     backward_on_comm_stream: bool = False
 
@@ -77,7 +76,9 @@ def parse_modes(text: str) -> list[Mode]:
             continue
         kind, *fields = raw.split(":")
         if kind != "fork" or not fields or not (fields[0] == "all" or fields[0].isdigit()):
-            raise SystemExit(f"P2P_OVERLAP_MODES: cannot read mode {raw!r} (upstream or fork:N[:tl][:comm])")
+            raise SystemExit(
+                f"P2P_OVERLAP_MODES: cannot read mode {raw!r} (upstream or fork:N[:tl][:comm])"
+            )
         unknown = set(fields[1:]) - {"tl", "comm"}
         if unknown:
             raise SystemExit(f"P2P_OVERLAP_MODES: unknown option(s) {sorted(unknown)} in {raw!r}")
@@ -130,7 +131,9 @@ def build(args, mode: Mode):
 
 def train(args, mode: Mode, batches, iterations: int, write) -> None:
     import torch
-    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+    from megatron.core.models.common.model_chunk_schedule_plan import (
+        TransformerModelChunkSchedulePlan,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.utils import unwrap_model
 
@@ -138,23 +141,33 @@ def train(args, mode: Mode, batches, iterations: int, write) -> None:
     model_class = type(unwrap_model(model[0]))
     expected = schedule_plan.P2POverlapGPTModel if mode.fork else GPTModel
     if model_class is not expected:
-        raise RuntimeError(f"mode {mode.label}: megatron built {model_class.__name__}, expected {expected.__name__}")
+        raise RuntimeError(
+            f"mode {mode.label}: megatron built {model_class.__name__}, expected "
+            f"{expected.__name__}"
+        )
 
     config, forward_backward_func, data = prepare_training(model, optimizer, batches)
 
-    plan_class = schedule_plan.P2POverlapChunkSchedulePlan if mode.fork else TransformerModelChunkSchedulePlan
+    plan_class = (
+        schedule_plan.P2POverlapChunkSchedulePlan
+        if mode.fork
+        else TransformerModelChunkSchedulePlan
+    )
     runs: dict = {}
     with counting_runs(plan_class, runs):
         for iteration in range(iterations):
-            record = train_one_step(args, iteration, data, model, optimizer, scheduler, config,
-                                    forward_backward_func)
-            write({
-                "mode": mode.label,
-                **record,
-                "model_class": model_class.__name__,
-                "plan_runs": dict(runs),
-                "options": options,
-            })
+            record = train_one_step(
+                args, iteration, data, model, optimizer, scheduler, config, forward_backward_func
+            )
+            write(
+                {
+                    "mode": mode.label,
+                    **record,
+                    "model_class": model_class.__name__,
+                    "plan_runs": dict(runs),
+                    "options": options,
+                }
+            )
     del model, optimizer, scheduler, config
     gc.collect()
     torch.cuda.empty_cache()

@@ -2,8 +2,9 @@
 config parses with megatron's parser."""
 
 import os
-from tests.unit.conftest import ROOT, parse
+
 from megatron.patchset.core import argsfile
+from tests.unit.conftest import ROOT, parse
 
 
 def test_argsfile_read_override_remove(tmp_path):

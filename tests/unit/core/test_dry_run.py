@@ -4,8 +4,8 @@ import os
 import subprocess
 import sys
 
-from tests.unit.conftest import REFERENCE, ROOT, TINY
 from megatron.patchset.core import argsfile
+from tests.unit.conftest import REFERENCE, ROOT, TINY
 
 
 def dry_run(config, *extra, world_size=None, env_extra=None):
@@ -15,7 +15,13 @@ def dry_run(config, *extra, world_size=None, env_extra=None):
         env["WORLD_SIZE"] = str(world_size)
     env.update(env_extra or {})
 
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--dry-run", *argsfile.read(config), *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        "--dry-run",
+        *argsfile.read(config),
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -43,7 +49,9 @@ def test_expert_parallel_three_on_two_gpus_names_the_flag():
 
 
 def test_dry_run_world_size_flag_overrides_environment():
-    code, out, _ = dry_run(TINY, "--expert-model-parallel-size", "2", "--dry-run-world-size", "4", world_size=1)
+    code, out, _ = dry_run(
+        TINY, "--expert-model-parallel-size", "2", "--dry-run-world-size", "4", world_size=1
+    )
     assert code == 0, out
     assert "world size ........................ 4" in out
     assert "expert data parallel .............. 2" in out
@@ -76,8 +84,14 @@ def test_gradient_accumulation_fusion_lists_apex():
 
     argv = argsfile.remove(argsfile.read(TINY), "--no-gradient-accumulation-fusion")
     env = dict(os.environ, WORLD_SIZE="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--dry-run", *argv],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--dry-run", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0
     assert "apex (fused_weight_gradient_mlp_cuda extension)" in proc.stdout
     code, out, _ = dry_run(TINY, world_size=1)
@@ -85,7 +99,13 @@ def test_gradient_accumulation_fusion_lists_apex():
 
 
 def test_expert_overlap_flags_still_get_a_parameter_count():
-    code, out, _ = dry_run(TINY, "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
-                           "--delay-wgrad-compute", world_size=2)
+    code, out, _ = dry_run(
+        TINY,
+        "--expert-model-parallel-size",
+        "2",
+        "--overlap-moe-expert-parallel-comm",
+        "--delay-wgrad-compute",
+        world_size=2,
+    )
     assert code == 0, out
     assert "parameters: 15,345,920 in total" in out

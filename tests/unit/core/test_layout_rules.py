@@ -2,10 +2,9 @@
 one test per rule, with megatron's real parser; every rule of the table has a test."""
 
 import pytest
+
+from megatron.patchset.core import argsfile, flags, rules
 from tests.unit.conftest import failures, parse, tiny_argv
-from megatron.patchset.core import argsfile
-from megatron.patchset.core import flags
-from megatron.patchset.core import rules
 
 
 def test_tiny_config_is_valid_on_one_and_two_gpus():
@@ -40,7 +39,9 @@ def test_expert_parallel_divides_world_size_names_the_flag():
 
 
 def test_expert_parallel_counts_expert_tensor_parallel():
-    got = failures(tiny_argv("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"), 2)
+    got = failures(
+        tiny_argv("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"), 2
+    )
     assert "--expert-tensor-parallel-size 2" in got["expert-parallel-divides-world-size"]
 
 
@@ -68,8 +69,14 @@ def test_heads_divisible_by_tensor_parallel():
 def test_layers_divisible_by_pipeline():
     got = failures(tiny_argv("--pipeline-model-parallel-size", "3", "--global-batch-size", "12"), 3)
     assert "--num-layers 4" in got["layers-divisible-by-pipeline"]
-    uneven = tiny_argv("--pipeline-model-parallel-size", "3", "--global-batch-size", "12",
-                       "--decoder-first-pipeline-num-layers", "2")
+    uneven = tiny_argv(
+        "--pipeline-model-parallel-size",
+        "3",
+        "--global-batch-size",
+        "12",
+        "--decoder-first-pipeline-num-layers",
+        "2",
+    )
     assert "layers-divisible-by-pipeline" not in failures(uneven, 3)
 
 
@@ -103,8 +110,11 @@ def test_data_and_tokenizer(tmp_path):
 
 def test_all_failures_reported_together():
     got = failures(tiny_argv("--expert-model-parallel-size", "3", "--global-batch-size", "10"), 2)
-    assert {"expert-parallel-divides-world-size", "experts-divisible-by-expert-parallel",
-            "global-batch-divisible"} <= set(got)
+    assert {
+        "expert-parallel-divides-world-size",
+        "experts-divisible-by-expert-parallel",
+        "global-batch-divisible",
+    } <= set(got)
 
 
 def test_rules_do_not_modify_arguments():
@@ -139,5 +149,6 @@ def test_lr_warmup_shorter_than_decay():
     assert "--train-iters" in got["lr-warmup-shorter-than-decay"]
     got = failures(tiny_argv("--lr-decay-iters", "4"), 1)
     assert "--lr-decay-iters" in got["lr-warmup-shorter-than-decay"]
-    assert "lr-warmup-shorter-than-decay" not in failures(tiny_argv("--lr-warmup-fraction", "0.1",
-                                                                     "--lr-warmup-iters", "0"), 1)
+    assert "lr-warmup-shorter-than-decay" not in failures(
+        tiny_argv("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "0"), 1
+    )

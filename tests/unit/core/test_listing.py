@@ -10,8 +10,12 @@ from megatron.patchset.core import features, listing, registry, rules
 
 
 def run_list(*extra):
-    return subprocess.run([sys.executable, "-m", "megatron.patchset", "--list", *extra],
-                          capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "megatron.patchset", "--list", *extra],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
 
 
 @pytest.mark.parametrize("extra", [(), ("--reasons",)])
@@ -37,7 +41,9 @@ def test_every_rule_belongs_to_the_core_or_a_loaded_feature():
     names = {f.name for f in features.load()}
     assert {r.feature for r in rules.all_rules()} <= names | {None}
     assert [r.name for r in rules.all_rules() if r.feature is None][:2] == [
-        "model-parallel-divides-world-size", "expert-parallel-divides-world-size"]
+        "model-parallel-divides-world-size",
+        "expert-parallel-divides-world-size",
+    ]
 
 
 def test_wrap_breaks_a_long_dotted_path_before_a_dot():

@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from megatron.patchset.core import features, registry as real_registry, versions
+from megatron.patchset.core import features, versions
+from megatron.patchset.core import registry as real_registry
 from megatron.patchset.core.registry import patch
 from tests.unit.support import fake_upstream
 
@@ -71,7 +72,9 @@ def test_static_and_class_methods_keep_their_kind_and_revert(registry):
     def describe():
         return "patched"
 
-    patch("fake.describe", f"{FAKE}.Widget.describe", reason="r", upstream_pr="none")(replace_with(describe))
+    patch("fake.describe", f"{FAKE}.Widget.describe", reason="r", upstream_pr="none")(
+        replace_with(describe)
+    )
 
     @patch("fake.build", f"{FAKE}.Widget.build", reason="r", upstream_pr="none")
     def wrap_build(original):
@@ -97,7 +100,9 @@ def test_inherited_attribute_is_deleted_again_on_revert(registry):
     def inherited(self):
         return "widget"
 
-    patch("fake.inherited", f"{FAKE}.Widget.inherited", reason="r", upstream_pr="none")(replace_with(inherited))
+    patch("fake.inherited", f"{FAKE}.Widget.inherited", reason="r", upstream_pr="none")(
+        replace_with(inherited)
+    )
 
     assert "inherited" not in fake_upstream.Widget.__dict__
     registry.apply_patches(registry.registered())
@@ -112,8 +117,14 @@ def test_apply_selects_by_flags(registry):
     def helper(x):
         return -x
 
-    patch("fake.on", f"{FAKE}.helper", reason="r", upstream_pr="none",
-          flags=("--fake-on",), enabled=lambda a: a.fake_on)(replace_with(helper))
+    patch(
+        "fake.on",
+        f"{FAKE}.helper",
+        reason="r",
+        upstream_pr="none",
+        flags=("--fake-on",),
+        enabled=lambda a: a.fake_on,
+    )(replace_with(helper))
 
     class Args:
         fake_on = False
@@ -130,7 +141,9 @@ def test_skip_env_leaves_named_patches_out(registry, monkeypatch, capsys):
     def helper(x):
         return -x
 
-    patch("fake.on", f"{FAKE}.helper", reason="r", upstream_pr="none", flags=("--fake-on",))(replace_with(helper))
+    patch("fake.on", f"{FAKE}.helper", reason="r", upstream_pr="none", flags=("--fake-on",))(
+        replace_with(helper)
+    )
 
     monkeypatch.setenv(registry.SKIP_ENV, "fake.on")
     assert registry.apply(object()) == []
@@ -152,8 +165,12 @@ def test_two_patches_on_one_target_are_refused(registry):
 
 
 def test_vanished_target_names_target_and_versions(registry):
-    patch("fake.gone", "megatron.core.datasets.utils.compile_helpers_v2",
-          reason="r", upstream_pr="none")(replace_with(None))
+    patch(
+        "fake.gone",
+        "megatron.core.datasets.utils.compile_helpers_v2",
+        reason="r",
+        upstream_pr="none",
+    )(replace_with(None))
     with pytest.raises(registry.PatchTargetError) as err:
         registry.apply_patches(registry.registered())
     text = str(err.value)
@@ -168,13 +185,17 @@ def test_vanished_class_in_path(registry):
 
 
 def test_missing_module_is_a_target_error(registry):
-    patch("fake.nomod", "megatron.core.no_such_area.fn", reason="r", upstream_pr="none")(replace_with(None))
+    patch("fake.nomod", "megatron.core.no_such_area.fn", reason="r", upstream_pr="none")(
+        replace_with(None)
+    )
     with pytest.raises(registry.PatchTargetError, match="no_such_area"):
         registry.apply_patches(registry.registered())
 
 
 def test_version_guard_refuses_other_megatron_core(registry, monkeypatch):
-    monkeypatch.setattr(real_registry, "check_versions", lambda: versions.check_versions(mcore_version="0.20.0"))
+    monkeypatch.setattr(
+        real_registry, "check_versions", lambda: versions.check_versions(mcore_version="0.20.0")
+    )
     patch("fake.v", f"{FAKE}.helper", reason="r", upstream_pr="none")(replace_with(lambda x: 0))
     with pytest.raises(versions.PatchsetVersionError) as err:
         registry.apply_patches(registry.registered())
@@ -182,8 +203,17 @@ def test_version_guard_refuses_other_megatron_core(registry, monkeypatch):
     assert fake_upstream.helper(1) == 2  # nothing applied
 
 
-@pytest.mark.parametrize("te, ok", [(None, True), ("2.20.2", True), ("2.20.3", True),
-                                    ("2.21.0", False), ("2.19.1", False), ("2.20.0", False)])
+@pytest.mark.parametrize(
+    "te, ok",
+    [
+        (None, True),
+        ("2.20.2", True),
+        ("2.20.3", True),
+        ("2.21.0", False),
+        ("2.19.1", False),
+        ("2.20.0", False),
+    ],
+)
 def test_version_guard_transformer_engine_range(te, ok):
     if ok:
         versions.check_versions(mcore_version="0.19.2", te_version=te)
@@ -194,8 +224,14 @@ def test_version_guard_transformer_engine_range(te, ok):
 
 
 def test_upstream_mode_refuses_feature_patches(registry, monkeypatch):
-    patch("fake.feature", f"{FAKE}.helper", reason="r", upstream_pr="none",
-                      flags=("--fake",), enabled=lambda a: True)(replace_with(lambda x: 0))
+    patch(
+        "fake.feature",
+        f"{FAKE}.helper",
+        reason="r",
+        upstream_pr="none",
+        flags=("--fake",),
+        enabled=lambda a: True,
+    )(replace_with(lambda x: 0))
     monkeypatch.setenv("MEGATRON_PATCHSET", "off")
     with pytest.raises(registry.PatchsetError, match="--fake"):
         registry.apply(object())
@@ -203,7 +239,9 @@ def test_upstream_mode_refuses_feature_patches(registry, monkeypatch):
 
 
 def test_upstream_mode_applies_compat_and_observe(registry, monkeypatch):
-    patch("fake.compat", f"{FAKE}.helper", reason="r", upstream_pr="none", kind="compat")(replace_with(lambda x: 7))
+    patch("fake.compat", f"{FAKE}.helper", reason="r", upstream_pr="none", kind="compat")(
+        replace_with(lambda x: 7)
+    )
     monkeypatch.setenv("MEGATRON_PATCHSET", "off")
     assert registry.apply(object()) == ["fake.compat"]
 
@@ -232,9 +270,12 @@ def _defined_in_source(target: str) -> bool:
 
     module_name, class_name, method = target.rsplit(".", 2)
     tree = ast.parse(open(importlib.import_module(module_name).__file__).read())
-    return any(isinstance(node, ast.ClassDef) and node.name == class_name
-               and any(isinstance(f, ast.FunctionDef) and f.name == method for f in node.body)
-               for node in ast.walk(tree))
+    return any(
+        isinstance(node, ast.ClassDef)
+        and node.name == class_name
+        and any(isinstance(f, ast.FunctionDef) and f.name == method for f in node.body)
+        for node in ast.walk(tree)
+    )
 
 
 def test_every_registered_target_exists_in_the_pinned_wheel():
@@ -257,7 +298,9 @@ def test_every_registered_target_exists_in_the_pinned_wheel():
         assert hasattr(owner, attr), target
     # Only the TE wrappers' methods need the source check (and only without TE).
     assert all(name.startswith("compile.te_") for name in checked_in_source), checked_in_source
-    assert not _defined_in_source("megatron.core.extensions.transformer_engine.TELinear.no_such_method")
+    assert not _defined_in_source(
+        "megatron.core.extensions.transformer_engine.TELinear.no_such_method"
+    )
 
 
 def test_a_feature_patch_takes_its_features_switches_predicate_and_pr():
@@ -282,7 +325,9 @@ def test_every_feature_patch_lives_in_a_feature_and_every_core_patch_is_compat_o
             assert declared.kind in ("compat", "observe"), declared.name
             assert declared.module.startswith("megatron.patchset.core."), declared.name
         else:
-            assert declared.module.startswith(f"megatron.patchset.features.{declared.feature}."), declared.name
+            assert declared.module.startswith(f"megatron.patchset.features.{declared.feature}."), (
+                declared.name
+            )
 
 
 def test_feature_descriptors_validate_themselves():
@@ -292,7 +337,20 @@ def test_feature_descriptors_validate_themselves():
     with pytest.raises(PatchsetError, match="status 'beta'"):
         Feature(name="x", title="x", switches=(), enabled=bool, upstream_pr="none", status="beta")
     with pytest.raises(PatchsetError, match="flags and add_arguments go together"):
-        Feature(name="x", title="x", switches=(), enabled=bool, upstream_pr="none", status="stable",
-                flags=("--x",))
-    Feature(name="x", title="x", switches=(), enabled=bool, upstream_pr="none",
-            status="not yet verified on 4 GPUs")
+        Feature(
+            name="x",
+            title="x",
+            switches=(),
+            enabled=bool,
+            upstream_pr="none",
+            status="stable",
+            flags=("--x",),
+        )
+    Feature(
+        name="x",
+        title="x",
+        switches=(),
+        enabled=bool,
+        upstream_pr="none",
+        status="not yet verified on 4 GPUs",
+    )

@@ -78,12 +78,14 @@ def install(monkeypatch):
 # Flags that make the tiny MoE config run on the CPU: the local (non-TE) layer spec, no fused
 # kernels that need TransformerEngine/apex, no grouped GEMM (it needs the grouped_gemm package).
 CPU_FLAGS = [
-    "--transformer-impl", "local",
+    "--transformer-impl",
+    "local",
     "--no-rope-fusion",
     "--no-persist-layer-norm",
     "--no-gradient-accumulation-fusion",
     "--no-bias-dropout-fusion",
     "--no-bias-swiglu-fusion",
     "--no-masked-softmax-fusion",
-    "--attention-backend", "unfused",
+    "--attention-backend",
+    "unfused",
 ]

@@ -30,8 +30,11 @@ def cpu_argv(*extra):
 
 def run(rank, world_size, argv, port, out, steps):
     os.environ.update(
-        WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     import pytest
     import torch
@@ -41,11 +44,12 @@ def run(rank, world_size, argv, port, out, steps):
     patcher = pytest.MonkeyPatch()
     cpu_shims.install(patcher)
     sys.argv = ["pretrain_gpt.py", *argv]
-    import pretrain_gpt
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.models.gpt import GPTModelBuilder
+
+    import pretrain_gpt
 
     torch.manual_seed(1234)
     args = parse_and_validate_args(extra_args_provider=pretrain_gpt.add_patchset_args)
@@ -54,7 +58,9 @@ def run(rank, world_size, argv, port, out, steps):
         expert_model_parallel_size=args.expert_model_parallel_size
     )
     model_config = pretrain_gpt.model_config_from_args(args)
-    model = GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    model = GPTModelBuilder(model_config).build_model(
+        ProcessGroupCollection.use_mpu_process_groups()
+    )
     train, _, _ = pretrain_gpt.train_valid_test_datasets_provider([64, 0, 0])
     batch = next(iter(torch.utils.data.DataLoader(train, batch_size=args.micro_batch_size)))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)

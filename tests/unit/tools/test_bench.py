@@ -3,7 +3,9 @@
 import importlib.util
 import json
 import os
+
 import pytest
+
 from tests.unit.conftest import ROOT, TINY
 
 spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "tools", "bench.py"))
@@ -14,8 +16,17 @@ spec.loader.exec_module(bench)
 def records(times, losses, flops=2.0e15, tokens=16384, world=2):
     out = []
     for i, (t, loss) in enumerate(zip(times, losses), start=1):
-        out.append({"iteration": i, "time_s": t, "losses": {"lm loss": loss}, "grad_norm": 1.0,
-                    "flops": flops, "tokens": tokens, "world_size": world})
+        out.append(
+            {
+                "iteration": i,
+                "time_s": t,
+                "losses": {"lm loss": loss},
+                "grad_norm": 1.0,
+                "flops": flops,
+                "tokens": tokens,
+                "world_size": world,
+            }
+        )
     out.append({"summary": {"max_allocated_gib": 10.5, "max_reserved_gib": 12.0}})
     return out
 
@@ -37,11 +48,29 @@ def test_summarize_refuses_when_nothing_is_timed():
 
 
 def test_table_has_speedup_against_first_variant():
-    rows = [{"variant": "upstream", "step_ms": 200.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0,
-             "mfu": 0.1, "peak_allocated_gib": 1.0, "peak_reserved_gib": 2.0, "final_loss": 3.0},
-            {"variant": "fast", "step_ms": 100.0, "tokens_per_s": 2.0, "tflops_per_gpu": 2.0,
-             "mfu": 0.2, "peak_allocated_gib": 1.0, "peak_reserved_gib": 2.0, "final_loss": 3.0},
-            {"variant": "broken", "error": "exit code 1"}]
+    rows = [
+        {
+            "variant": "upstream",
+            "step_ms": 200.0,
+            "tokens_per_s": 1.0,
+            "tflops_per_gpu": 1.0,
+            "mfu": 0.1,
+            "peak_allocated_gib": 1.0,
+            "peak_reserved_gib": 2.0,
+            "final_loss": 3.0,
+        },
+        {
+            "variant": "fast",
+            "step_ms": 100.0,
+            "tokens_per_s": 2.0,
+            "tflops_per_gpu": 2.0,
+            "mfu": 0.2,
+            "peak_allocated_gib": 1.0,
+            "peak_reserved_gib": 2.0,
+            "final_loss": 3.0,
+        },
+        {"variant": "broken", "error": "exit code 1"},
+    ]
     table = bench.format_table(rows, 790.0)
     assert "MFU@790" in table and "2.00x" in table and "1.00x" in table and "FAILED" in table
 
@@ -57,9 +86,21 @@ def test_profile_columns_average_the_ranks_and_the_table_compares_to_the_first_v
     def write(folder, backward_exposed, idle):
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "summary.json"), "w") as handle:
-            json.dump({"step_host_ms": 100.0, "gpu_idle_ms": idle, "p2p": {
-                "backward": {"kernels": 4, "kernel_ms": 10.0, "exposed_ms": backward_exposed},
-                "forward": {"kernels": 4, "kernel_ms": 8.0, "exposed_ms": 1.0}}}, handle)
+            json.dump(
+                {
+                    "step_host_ms": 100.0,
+                    "gpu_idle_ms": idle,
+                    "p2p": {
+                        "backward": {
+                            "kernels": 4,
+                            "kernel_ms": 10.0,
+                            "exposed_ms": backward_exposed,
+                        },
+                        "forward": {"kernels": 4, "kernel_ms": 8.0, "exposed_ms": 1.0},
+                    },
+                },
+                handle,
+            )
 
     write(tmp_path / "base", 6.0, 20.0)
     write(tmp_path / "base" / "rank1", 2.0, 10.0)
@@ -78,14 +119,23 @@ def test_profile_columns_average_the_ranks_and_the_table_compares_to_the_first_v
 
 def test_pipeline_pairs_split_each_rank_against_its_pipeline_peer():
     def summary(rank, group, starts):
-        return {"rank": rank, "pp_group_ranks": group, "step_host_ms": 1.0, "p2p": {},
-                "p2p_kernels": [{"dir": "backward", "ts": t, "end": 100.0, "compute": []} for t in starts]}
+        return {
+            "rank": rank,
+            "pp_group_ranks": group,
+            "step_host_ms": 1.0,
+            "p2p": {},
+            "p2p_kernels": [
+                {"dir": "backward", "ts": t, "end": 100.0, "compute": []} for t in starts
+            ],
+        }
 
     ranks = [summary(0, [0, 2], [0.0]), summary(2, [0, 2], [60.0]), summary(1, [1, 3], [0.0])]
     pairs = bench.pipeline_pairs(ranks)  # rank 1's peer 3 is missing
     assert len(pairs) == 2
     assert pairs[0]["backward"]["peer_wait_ms"] == pytest.approx(0.060)
-    assert pairs[1]["backward"]["peer_wait_ms"] == 0 and pairs[1]["backward"]["transfer_ms"] == pytest.approx(0.040)
+    assert pairs[1]["backward"]["peer_wait_ms"] == 0 and pairs[1]["backward"][
+        "transfer_ms"
+    ] == pytest.approx(0.040)
     columns = bench.profile_columns(ranks)
     assert columns["p2p_paired_ranks"] == 2
     assert columns["p2p_backward_transfer_exposed_ms_mean"] == pytest.approx(0.040)
@@ -109,10 +159,30 @@ def write_metrics(folder, name, times):
 def test_report_only_rebuilds_the_table_from_an_earlier_out_folder(tmp_path, capsys, monkeypatch):
     write_metrics(tmp_path, "eager", [None, 1.0, 1.0, 1.0])
     write_metrics(tmp_path, "fast+scope", [None, 0.5, 0.5, 0.5])  # '+' kept, as in run names
-    monkeypatch.setattr(bench, "run_variant", lambda *a, **k: pytest.fail("--report-only must run nothing"))
-    code = bench.main(["--config", TINY, "--iters", "4", "--warmup", "1", "--out", str(tmp_path),
-                       "--report-only", "--peak-tflops", "790", "--variant", "eager=",
-                       "--variant", "fast+scope=--foo", "--variant", "missing="])
+    monkeypatch.setattr(
+        bench, "run_variant", lambda *a, **k: pytest.fail("--report-only must run nothing")
+    )
+    code = bench.main(
+        [
+            "--config",
+            TINY,
+            "--iters",
+            "4",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--report-only",
+            "--peak-tflops",
+            "790",
+            "--variant",
+            "eager=",
+            "--variant",
+            "fast+scope=--foo",
+            "--variant",
+            "missing=",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1  # the variant without metrics is reported as failed
     assert "no metrics file" in out and "2.00x" in out
@@ -124,8 +194,13 @@ def test_report_only_rebuilds_the_table_from_an_earlier_out_folder(tmp_path, cap
 def test_variant_and_assignment_parsing():
     assert bench.parse_variant("upstream") == ("upstream", [])
     assert bench.parse_variant("g=--cuda-graph-impl transformer_engine") == (
-        "g", ["--cuda-graph-impl", "transformer_engine"])
-    assert bench.parse_assignment("micro-batch-size=1,2,4") == ("--micro-batch-size", ["1", "2", "4"])
+        "g",
+        ["--cuda-graph-impl", "transformer_engine"],
+    )
+    assert bench.parse_assignment("micro-batch-size=1,2,4") == (
+        "--micro-batch-size",
+        ["1", "2", "4"],
+    )
 
 
 def test_default_peak_by_device():
@@ -137,6 +212,7 @@ def test_default_peak_by_device():
 def test_forward_backward_columns_and_speedup_per_sweep_value():
     """megatron's forward-backward timer gives its own time, MFU and speed-up; with a sweep, each
     value's rows are compared to that value's first variant, not to the first row of the run."""
+
     def variant(times, fwd_bwd, tokens):
         recs = records(times, [3.0] * len(times), tokens=tokens, world=1)
         for rec, fb in zip(recs, fwd_bwd):
@@ -144,10 +220,12 @@ def test_forward_backward_columns_and_speedup_per_sweep_value():
         return recs
 
     rows = []
-    for value, name, times, fb in (("1", "upstream", [None, 0.4, 0.4], [None, 0.3, 0.3]),
-                                   ("1", "fork", [None, 0.2, 0.2], [None, 0.1, 0.1]),
-                                   ("4", "upstream", [None, 1.0, 1.0], [None, 0.8, 0.8]),
-                                   ("4", "fork", [None, 0.5, 0.5], [None, 0.4, 0.4])):
+    for value, name, times, fb in (
+        ("1", "upstream", [None, 0.4, 0.4], [None, 0.3, 0.3]),
+        ("1", "fork", [None, 0.2, 0.2], [None, 0.1, 0.1]),
+        ("4", "upstream", [None, 1.0, 1.0], [None, 0.8, 0.8]),
+        ("4", "fork", [None, 0.5, 0.5], [None, 0.4, 0.4]),
+    ):
         row = bench.summarize(variant(times, fb, 4096), warmup=1, peak_tflops=800.0)
         row.update(variant=f"{name} micro-batch-size={value}", sweep_value=value)
         rows.append(row)
@@ -171,7 +249,9 @@ def test_table_without_the_timer_keeps_its_columns():
 def test_upstream_variants_run_unpatched():
     assert bench.is_upstream("upstream", [])
     assert bench.is_upstream("upstream-graphs", ["--cuda-graph-impl", "transformer_engine"])
-    assert not bench.is_upstream("upstream", ["--compile-transformer-layers"])  # historic meaning: fork run
+    assert not bench.is_upstream(
+        "upstream", ["--compile-transformer-layers"]
+    )  # historic meaning: fork run
     assert not bench.is_upstream("fork", [])
 
 
@@ -186,8 +266,22 @@ def test_bench_time_fwd_bwd_sets_the_timer_for_every_variant(tmp_path, monkeypat
 
     monkeypatch.setattr(bench, "run_variant", fake_run)
     monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
-    args = ["--config", TINY, "--out", str(tmp_path), "--iters", "3", "--warmup", "1", "--peak-tflops", "790",
-            "--variant", "upstream=", "--variant", "fork=--moe-grouped-gemm-impl torch"]
+    args = [
+        "--config",
+        TINY,
+        "--out",
+        str(tmp_path),
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--peak-tflops",
+        "790",
+        "--variant",
+        "upstream=",
+        "--variant",
+        "fork=--moe-grouped-gemm-impl torch",
+    ]
     bench.main(args + ["--time-fwd-bwd"])
     assert set(envs) == {"upstream", "fork"}
     assert all(env.get("MEGATRON_PATCHSET_TIME_FWD_BWD") == "1" for env in envs.values())
@@ -209,15 +303,21 @@ def test_numa_binding_reaches_torchrun(tmp_path, monkeypatch):
     bench.run_variant("b", ["pretrain_gpt.py", "--bf16"], {}, 2, str(tmp_path), 10)
     bound, unbound = commands
     launcher = bound.index("torch.distributed.run")
-    assert bound[launcher + 1:launcher + 4] == ["--standalone", "--nproc-per-node=2", "--numa-binding=node"]
-    assert bound[launcher + 4:] == ["pretrain_gpt.py", "--bf16"]
+    assert bound[launcher + 1 : launcher + 4] == [
+        "--standalone",
+        "--nproc-per-node=2",
+        "--numa-binding=node",
+    ]
+    assert bound[launcher + 4 :] == ["pretrain_gpt.py", "--bf16"]
     assert not any(c.startswith("--numa-binding") for c in unbound)
     with pytest.raises(SystemExit):
         bench.main(["--config", TINY, "--numa-binding", "everywhere"])
 
 
 def test_variant_env_tokens():
-    name, flags = bench.parse_variant("no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=a,b X_Y=1 --flag --num-layers 2")
+    name, flags = bench.parse_variant(
+        "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=a,b X_Y=1 --flag --num-layers 2"
+    )
     env, rest = bench.split_env(flags)
     assert name == "no-norm"
     assert env == {"MEGATRON_PATCHSET_SKIP_PATCHES": "a,b", "X_Y": "1"}
@@ -228,28 +328,46 @@ def test_variant_env_tokens():
 
 def test_repeat_runs_in_mirrored_order_and_pools_the_repeats():
     variants = [("eager", []), ("compiled", ["--compile-transformer-layers"])]
-    assert bench.run_order(variants, 1) == [("eager", "eager", []), ("compiled", "compiled", ["--compile-transformer-layers"])]
+    assert bench.run_order(variants, 1) == [
+        ("eager", "eager", []),
+        ("compiled", "compiled", ["--compile-transformer-layers"]),
+    ]
     assert [label for label, *_ in bench.run_order(variants, 3)] == [
-        "eager#1", "compiled#1", "compiled#2", "eager#2", "eager#3", "compiled#3"]
+        "eager#1",
+        "compiled#1",
+        "compiled#2",
+        "eager#2",
+        "eager#3",
+        "compiled#3",
+    ]
 
     def row(label, times, fwd=None, error=None):
         if error:
             return {"variant": label, "sweep_value": None, "error": error}
-        r = {"variant": label, "sweep_value": None, "step_ms": sorted(times)[len(times) // 2], "timed_step_ms": times}
+        r = {
+            "variant": label,
+            "sweep_value": None,
+            "step_ms": sorted(times)[len(times) // 2],
+            "timed_step_ms": times,
+        }
         if fwd:
             r.update(fwd_bwd_ms=sorted(fwd)[len(fwd) // 2], timed_fwd_bwd_ms=fwd)
         return r
 
-    rows = [row("eager#1", [100, 110, 120], [80, 90, 100]), row("compiled#1", [90, 95, 100], [70, 75, 80]),
-            row("compiled#2", [130, 140, 150], [110, 115, 120]), row("eager#2", [150, 160, 170], [130, 140, 150]),
-            row("other#1", [], error="exit code 1")]
+    rows = [
+        row("eager#1", [100, 110, 120], [80, 90, 100]),
+        row("compiled#1", [90, 95, 100], [70, 75, 80]),
+        row("compiled#2", [130, 140, 150], [110, 115, 120]),
+        row("eager#2", [150, 160, 170], [130, 140, 150]),
+        row("other#1", [], error="exit code 1"),
+    ]
     pooled = {r["variant"]: r for r in bench.pooled_rows(rows)}
     assert pooled["eager"]["runs"] == 2 and pooled["eager"]["step_ms"] == 135.0  # median of all six
     assert pooled["eager"]["step_ms_per_run"] == [110, 160]
     assert pooled["compiled"]["step_ms"] == 115.0 and pooled["compiled"]["fwd_bwd_ms"] == 95.0
     assert pooled["other"]["runs"] == 0 and pooled["other"]["failed"] == 1
     text = bench.format_pooled_table(bench.pooled_rows(rows))
-    line = next(l for l in text.splitlines() if l.startswith("| compiled"))
+    line = next(row for row in text.splitlines() if row.startswith("| compiled"))
     assert "1.17x" in line and "95.0 / 140.0" in line  # 135 / 115; each repeat's own median
     assert "0 (1 failed)" in text
 
@@ -269,14 +387,39 @@ def test_repeat_end_to_end_with_report_only(tmp_path, capsys, monkeypatch):
     write_metrics(tmp_path, "b#1", [None, 1.1, 1.1, 1.1])
     write_metrics(tmp_path, "b#2", [None, 1.2, 1.2, 1.2])
     write_metrics(tmp_path, "a#2", [None, 1.3, 1.3, 1.3])
-    monkeypatch.setattr(bench, "run_variant", lambda *a, **k: pytest.fail("--report-only must run nothing"))
-    code = bench.main(["--config", TINY, "--iters", "4", "--warmup", "1", "--out", str(tmp_path), "--repeat", "2",
-                       "--report-only", "--peak-tflops", "790", "--variant", "a=", "--variant", "b=--foo"])
+    monkeypatch.setattr(
+        bench, "run_variant", lambda *a, **k: pytest.fail("--report-only must run nothing")
+    )
+    code = bench.main(
+        [
+            "--config",
+            TINY,
+            "--iters",
+            "4",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--repeat",
+            "2",
+            "--report-only",
+            "--peak-tflops",
+            "790",
+            "--variant",
+            "a=",
+            "--variant",
+            "b=--foo",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "pooled over 2 repeats" in out
     saved = json.load(open(tmp_path / "bench.json"))
     assert [v["variant"] for v in saved["variants"]] == ["a#1", "b#1", "b#2", "a#2"]
     pooled = {p["variant"]: p for p in saved["pooled"]}
-    assert pooled["a"]["step_ms"] == pytest.approx(1150.0) and pooled["b"]["step_ms"] == pytest.approx(1150.0)
+    assert pooled["a"]["step_ms"] == pytest.approx(1150.0) and pooled["b"][
+        "step_ms"
+    ] == pytest.approx(1150.0)
     with pytest.raises(SystemExit):
-        bench.main(["--config", TINY, "--iters", "4", "--warmup", "1", "--repeat", "0", "--variant", "a="])
+        bench.main(
+            ["--config", TINY, "--iters", "4", "--warmup", "1", "--repeat", "0", "--variant", "a="]
+        )

@@ -2,13 +2,16 @@
 
 import importlib.util
 import os
+
 import pytest
+
+from megatron.patchset.core.observe import labels, profile, trace_summary
 from tests.unit.conftest import ROOT
-from megatron.patchset.core.observe import profile
-from megatron.patchset.core.observe import labels, trace_summary
 from tests.unit.core.observe.traces import synthetic_trace
 
-spec = importlib.util.spec_from_file_location("profile_step", os.path.join(ROOT, "tools", "profile_step.py"))
+spec = importlib.util.spec_from_file_location(
+    "profile_step", os.path.join(ROOT, "tools", "profile_step.py")
+)
 profile_step = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile_step)
 
@@ -21,21 +24,29 @@ def test_profile_request_and_tool_argv(monkeypatch):
     monkeypatch.setenv(profile.PROFILE_ENV, "out")
     with pytest.raises(ValueError, match="<dir>:<iteration>"):
         profile.profile_request()
-    argv = profile_step.build_argv(os.path.join(ROOT, "examples", "configs", "tiny_moe.args"),
-                                   [("--micro-batch-size", ["2"])], "--moe-permute-fusion --num-layers 2", 6)
+    argv = profile_step.build_argv(
+        os.path.join(ROOT, "examples", "configs", "tiny_moe.args"),
+        [("--micro-batch-size", ["2"])],
+        "--moe-permute-fusion --num-layers 2",
+        6,
+    )
     assert argv[argv.index("--micro-batch-size") + 1] == "2"
     assert argv[argv.index("--num-layers") + 1] == "2" and argv.count("--num-layers") == 1
     assert "--moe-permute-fusion" in argv and argv[argv.index("--train-iters") + 1] == "6"
 
 
 def test_markdown_report_lists_every_category_and_the_step_facts():
-    s = trace_summary.summarize_trace(synthetic_trace(), meta={"iteration": 6, "micro_batch_size": 1})
+    s = trace_summary.summarize_trace(
+        synthetic_trace(), meta={"iteration": 6, "micro_batch_size": 1}
+    )
     text = profile_step.report(s, {"warm_step_ms": 12.5, "profiled_step_ms": 14.0})
     assert "micro_batch_size=1" in text and "12.50 ms" in text
     lines = text.splitlines()
     row = next(line for line in lines if line.startswith("| router"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1:5] == ["0.10", "10.0%", "0.05", "0.05"] and cells[5] == "1" and cells[8] == "0.03"
+    assert (
+        cells[1:5] == ["0.10", "10.0%", "0.05", "0.05"] and cells[5] == "1" and cells[8] == "0.03"
+    )
     for title in labels.CATEGORIES.values():
         assert any(line.startswith("| " + title) for line in lines), title
     assert "GPU busy: 0.29 ms, idle: 0.81 ms" in text

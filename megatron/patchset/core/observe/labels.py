@@ -10,7 +10,8 @@ reduces a trace by them.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 LABEL_PREFIX = "ps:"
 STEP_LABEL = "ps:step"
@@ -36,11 +37,11 @@ def label(category: str, detail: str = "", layer: Any = None) -> str:
     return f"{LABEL_PREFIX}{name}:{'' if layer is None else layer}"
 
 
-def parse_label(name: str) -> Optional[tuple[str, str, Optional[int]]]:
+def parse_label(name: str) -> tuple[str, str, int | None] | None:
     """(category, detail, layer) of a ``ps:`` label; None for other names and the step."""
     if not name.startswith(LABEL_PREFIX) or name == STEP_LABEL:
         return None
-    body, _, layer = name[len(LABEL_PREFIX):].rpartition(":")
+    body, _, layer = name[len(LABEL_PREFIX) :].rpartition(":")
     if not body:
         return None
     category, _, detail = body.partition("/")
@@ -88,26 +89,109 @@ def _labelled(original: Callable, category: str, detail: str, *, sets_layer: boo
 # (module, owner, attribute, category, detail, sets_layer): methods are wrapped on their class.
 _METHOD_LABELS = (
     ("megatron.core.transformer.attention", "Attention", "forward", "attention", "", True),
-    ("megatron.core.transformer.multi_latent_attention", "MultiLatentAttention", "forward", "attention", "mla", True),
+    (
+        "megatron.core.transformer.multi_latent_attention",
+        "MultiLatentAttention",
+        "forward",
+        "attention",
+        "mla",
+        True,
+    ),
     ("megatron.core.transformer.moe.moe_layer", "MoELayer", "route", "router", "", True),
-    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "preprocess", "dispatch", "preprocess", True),
-    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "dispatch", "dispatch", "all-to-all", True),
-    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "shared_experts_compute", "expert", "shared", True),
-    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "routed_experts_compute", "expert", "routed", True),
-    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "combine", "combine", "all-to-all", True),
-    ("megatron.core.transformer.moe.moe_layer", "MoELayer", "postprocess", "combine", "postprocess", True),
-    ("megatron.core.transformer.moe.token_dispatcher", None, "permute", "permutation", "permute", False),
-    ("megatron.core.transformer.moe.token_dispatcher", None, "unpermute", "permutation", "unpermute", False),
-    ("megatron.core.transformer.moe.token_dispatcher", None, "sort_chunks_by_idxs", "permutation", "sort_chunks", False),
+    (
+        "megatron.core.transformer.moe.moe_layer",
+        "MoELayer",
+        "preprocess",
+        "dispatch",
+        "preprocess",
+        True,
+    ),
+    (
+        "megatron.core.transformer.moe.moe_layer",
+        "MoELayer",
+        "dispatch",
+        "dispatch",
+        "all-to-all",
+        True,
+    ),
+    (
+        "megatron.core.transformer.moe.moe_layer",
+        "MoELayer",
+        "shared_experts_compute",
+        "expert",
+        "shared",
+        True,
+    ),
+    (
+        "megatron.core.transformer.moe.moe_layer",
+        "MoELayer",
+        "routed_experts_compute",
+        "expert",
+        "routed",
+        True,
+    ),
+    (
+        "megatron.core.transformer.moe.moe_layer",
+        "MoELayer",
+        "combine",
+        "combine",
+        "all-to-all",
+        True,
+    ),
+    (
+        "megatron.core.transformer.moe.moe_layer",
+        "MoELayer",
+        "postprocess",
+        "combine",
+        "postprocess",
+        True,
+    ),
+    (
+        "megatron.core.transformer.moe.token_dispatcher",
+        None,
+        "permute",
+        "permutation",
+        "permute",
+        False,
+    ),
+    (
+        "megatron.core.transformer.moe.token_dispatcher",
+        None,
+        "unpermute",
+        "permutation",
+        "unpermute",
+        False,
+    ),
+    (
+        "megatron.core.transformer.moe.token_dispatcher",
+        None,
+        "sort_chunks_by_idxs",
+        "permutation",
+        "sort_chunks",
+        False,
+    ),
 ) + tuple(
     # Pipeline send/receive by direction: what moves activations forward, what moves gradients
     # backward, and the two calls that do both at once.
-    ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator", name, "p2p", direction, False)
+    (
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "P2PCommunicator",
+        name,
+        "p2p",
+        direction,
+        False,
+    )
     for direction, names in (
         ("forward", ("recv_forward", "send_forward", "send_forward_recv_forward")),
         ("backward", ("recv_backward", "send_backward", "send_backward_recv_backward")),
-        ("both", ("send_forward_recv_backward", "send_backward_recv_forward",
-                  "send_forward_backward_recv_forward_backward")),
+        (
+            "both",
+            (
+                "send_forward_recv_backward",
+                "send_backward_recv_forward",
+                "send_forward_backward_recv_forward_backward",
+            ),
+        ),
     )
     for name in names
 )
@@ -128,12 +212,19 @@ class Labels:
             owner = module if owner_name is None else getattr(module, owner_name, None)
             if owner is None or not hasattr(owner, attr):
                 continue
-            self._wrap(owner, attr, lambda f, c=category, d=detail, s=sets_layer: _labelled(f, c, d, sets_layer=s))
+            self._wrap(
+                owner,
+                attr,
+                lambda f, c=category, d=detail, s=sets_layer: _labelled(f, c, d, sets_layer=s),
+            )
         if optimizer is not None and hasattr(optimizer, "step"):
             self._wrap(optimizer, "step", lambda f: _labelled(f, "optimizer", "", sets_layer=False))
         if config is not None and getattr(config, "finalize_model_grads_func", None) is not None:
-            self._wrap(config, "finalize_model_grads_func",
-                       lambda f: _labelled(f, "grad_sync", "", sets_layer=False))
+            self._wrap(
+                config,
+                "finalize_model_grads_func",
+                lambda f: _labelled(f, "grad_sync", "", sets_layer=False),
+            )
 
     def _wrap(self, owner: Any, attr: str, make: Callable[[Callable], Callable]) -> None:
         own = vars(owner) if hasattr(owner, "__dict__") else {}
@@ -152,4 +243,3 @@ class Labels:
     def remove(self) -> None:
         while self._undo:
             self._undo.pop()()
-

@@ -20,14 +20,14 @@ import functools
 import json
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 from megatron.patchset.core.registry import patch
 
 METRICS_ENV = "MEGATRON_PATCHSET_METRICS"
 
 
-def metrics_path() -> Optional[str]:
+def metrics_path() -> str | None:
     return os.environ.get(METRICS_ENV) or None
 
 
@@ -49,7 +49,7 @@ class MetricsRecorder:
 
     def __init__(self, path: str):
         self.path = path
-        self.last_time: Optional[float] = None
+        self.last_time: float | None = None
         self._file = None
 
     def _is_writer(self) -> bool:
@@ -65,12 +65,22 @@ class MetricsRecorder:
             self._file = open(self.path, "a", buffering=1)
         self._file.write(json.dumps(record) + "\n")
 
-    def iteration(self, *, iteration, loss_dict, grad_norm, learning_rate, loss_scale, skipped_iter, num_zeros,
-                  fwd_bwd_s: Optional[float] = None) -> None:
+    def iteration(
+        self,
+        *,
+        iteration,
+        loss_dict,
+        grad_norm,
+        learning_rate,
+        loss_scale,
+        skipped_iter,
+        num_zeros,
+        fwd_bwd_s: float | None = None,
+    ) -> None:
         import torch
+        from megatron.core.num_microbatches_calculator import get_current_global_batch_size
         from megatron.training import get_args
         from megatron.training.training import num_floating_point_operations
-        from megatron.core.num_microbatches_calculator import get_current_global_batch_size
 
         now = time.perf_counter()
         elapsed = None if self.last_time is None else now - self.last_time
@@ -113,15 +123,18 @@ class MetricsRecorder:
             )
             if torch.distributed.is_initialized():
                 torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
-            peak = {"max_allocated_gib": values[0].item() / 2**30, "max_reserved_gib": values[1].item() / 2**30}
+            peak = {
+                "max_allocated_gib": values[0].item() / 2**30,
+                "max_reserved_gib": values[1].item() / 2**30,
+            }
         if self._is_writer():
             self.write({"summary": peak})
 
 
-_RECORDER: Optional[MetricsRecorder] = None
+_RECORDER: MetricsRecorder | None = None
 
 
-def recorder() -> Optional[MetricsRecorder]:
+def recorder() -> MetricsRecorder | None:
     """The process's recorder when metrics are requested, else None."""
     global _RECORDER
     path = metrics_path()
@@ -145,7 +158,8 @@ def timed_forward_backward(forward_backward_func):
     megatron's ``forward-backward`` timer measures, but around the call: a full-iteration CUDA
     graph's replay included, where megatron's own timer cannot run: it synchronises inside the
     captured step). Unlike megatron's timer there is no barrier across ranks; the metrics keep the
-    last rank's time. Calls of one iteration add up; :func:`forward_backward_seconds` takes the sum."""
+    last rank's time. Calls of one iteration add up; :func:`forward_backward_seconds` takes the
+    sum."""
 
     @functools.wraps(forward_backward_func)
     def timed(*args, **kwargs):
@@ -162,7 +176,7 @@ def timed_forward_backward(forward_backward_func):
     return timed
 
 
-def forward_backward_seconds() -> Optional[float]:
+def forward_backward_seconds() -> float | None:
     """This iteration's forward-backward time (all micro-batches, no optimizer), read before
     ``training_log`` resets megatron's timers. With ``MEGATRON_PATCHSET_TIME_FWD_BWD=1``, the
     fork's outside timer (:func:`timed_forward_backward`); else megatron's ``forward-backward``
@@ -184,7 +198,8 @@ def forward_backward_seconds() -> Optional[float]:
 @patch(
     "training.metrics_jsonl",
     "megatron.training.training.training_log",
-    reason="exact per-iteration losses, grad norm, time, FLOPs and memory for tests and tools/bench.py",
+    reason="exact per-iteration losses, grad norm, time, FLOPs and memory for tests and "
+    "tools/bench.py",
     upstream_pr="fork-only (instrumentation)",
     flags=(f"env {METRICS_ENV}",),
     enabled=lambda args: metrics_path() is not None,
@@ -192,13 +207,35 @@ def forward_backward_seconds() -> Optional[float]:
 )
 def _wrap_training_log(original):
     @functools.wraps(original)
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                     report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
-                     *args, **kwargs):
+    def training_log(
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        iteration,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        params_norm,
+        num_zeros_in_grad,
+        *args,
+        **kwargs,
+    ):
         fwd_bwd_s = forward_backward_seconds()
-        result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                          report_memory_flag, skipped_iter, grad_norm, params_norm,
-                          num_zeros_in_grad, *args, **kwargs)
+        result = original(
+            loss_dict,
+            total_loss_dict,
+            learning_rate,
+            iteration,
+            loss_scale,
+            report_memory_flag,
+            skipped_iter,
+            grad_norm,
+            params_norm,
+            num_zeros_in_grad,
+            *args,
+            **kwargs,
+        )
         rec = recorder()
         if rec is not None:
             rec.iteration(

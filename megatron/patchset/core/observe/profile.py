@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megatron.patchset.core.observe import metrics
 from megatron.patchset.core.observe.labels import RECORDING, STEP_LABEL, Labels
@@ -29,7 +30,7 @@ from megatron.patchset.core.registry import patch
 PROFILE_ENV = "MEGATRON_PATCHSET_PROFILE"
 
 
-def profile_request() -> Optional[tuple[str, int]]:
+def profile_request() -> tuple[str, int] | None:
     """(output folder, 1-based iteration) from ``MEGATRON_PATCHSET_PROFILE``, or None."""
     value = os.environ.get(PROFILE_ENV)
     if not value:
@@ -38,7 +39,6 @@ def profile_request() -> Optional[tuple[str, int]]:
     if not sep or not folder or not number.isdigit() or int(number) < 1:
         raise ValueError(f"{PROFILE_ENV}={value!r}: expected <dir>:<iteration>, iteration >= 1")
     return folder, int(number)
-
 
 
 def _rank() -> int:
@@ -52,7 +52,11 @@ def _rank() -> int:
 def _meta(iteration: int) -> dict:
     import torch
 
-    meta: dict = {"iteration": iteration, "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    meta: dict = {
+        "iteration": iteration,
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         meta["device"] = torch.cuda.get_device_name(0)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -63,17 +67,28 @@ def _meta(iteration: int) -> dict:
         if ps.model_parallel_is_initialized():
             meta["pp_rank"] = ps.get_pipeline_model_parallel_rank()
             meta["pp_group_ranks"] = torch.distributed.get_process_group_ranks(
-                ps.get_pipeline_model_parallel_group())
+                ps.get_pipeline_model_parallel_group()
+            )
     except Exception:  # no megatron parallel state (tests, CPU)
         pass
     try:
         from megatron.training import get_args
 
         args = get_args()
-        for key in ("micro_batch_size", "global_batch_size", "seq_length", "num_layers", "hidden_size",
-                    "num_experts", "moe_router_topk", "moe_token_dispatcher_type",
-                    "expert_model_parallel_size", "tensor_model_parallel_size",
-                    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"):
+        for key in (
+            "micro_batch_size",
+            "global_batch_size",
+            "seq_length",
+            "num_layers",
+            "hidden_size",
+            "num_experts",
+            "moe_router_topk",
+            "moe_token_dispatcher_type",
+            "expert_model_parallel_size",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+        ):
             meta[key] = getattr(args, key, None)
     except Exception:  # megatron's globals are not set (tests)
         pass
@@ -95,8 +110,11 @@ def remove_labels() -> None:
         _INSTALLED.pop().remove()
 
 
-def profile_call(step: Callable, folder: str, iteration: int, *, optimizer=None, config=None) -> Any:
-    """Run ``step()`` once under the profiler with the labels; rank 0 writes the trace and summary."""
+def profile_call(
+    step: Callable, folder: str, iteration: int, *, optimizer=None, config=None
+) -> Any:
+    """Run ``step()`` once under the profiler with the labels; rank 0 writes the trace and
+    summary."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -107,8 +125,9 @@ def profile_call(step: Callable, folder: str, iteration: int, *, optimizer=None,
     labels = None if _INSTALLED else Labels(optimizer=optimizer, config=config)
     RECORDING[0] = True
     try:
-        with profile(activities=activities, record_shapes=False, with_stack=False,
-                     profile_memory=False) as prof:
+        with profile(
+            activities=activities, record_shapes=False, with_stack=False, profile_memory=False
+        ) as prof:
             with record_function(STEP_LABEL):
                 result = step()
             if torch.cuda.is_available():
@@ -139,7 +158,7 @@ def rank_folder(folder: str, rank: int) -> str:
     "training.observe_train_step",
     "megatron.training.training.train_step",
     reason="profile one training iteration (host time by MoE stage, launches, syncs, GPU idle) "
-           "for tools/profile_step.py; time forward-backward from outside for tools/bench.py",
+    "for tools/profile_step.py; time forward-backward from outside for tools/bench.py",
     upstream_pr="fork-only (instrumentation)",
     flags=(f"env {PROFILE_ENV}", f"env {metrics.FWD_BWD_ENV}"),
     enabled=lambda args: profile_request() is not None or metrics.fwd_bwd_timer_requested(),
@@ -149,16 +168,35 @@ def _wrap_train_step(original):
     calls = [0]
 
     @functools.wraps(original)
-    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                   forward_backward_func, *args, **kwargs):
+    def train_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        config,
+        forward_backward_func,
+        *args,
+        **kwargs,
+    ):
         calls[0] += 1
         if metrics.fwd_bwd_timer_requested():
             forward_backward_func = metrics.timed_forward_backward(forward_backward_func)
         request = profile_request()
         iteration = kwargs.get("iteration", args[0] if args else None)
         number = calls[0] if iteration is None else int(iteration) + 1
-        call = functools.partial(original, forward_step_func, data_iterator, model, optimizer,
-                                 opt_param_scheduler, config, forward_backward_func, *args, **kwargs)
+        call = functools.partial(
+            original,
+            forward_step_func,
+            data_iterator,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            config,
+            forward_backward_func,
+            *args,
+            **kwargs,
+        )
         if request is not None:
             install_labels(optimizer=optimizer, config=config)
         if request is None or number != request[1]:

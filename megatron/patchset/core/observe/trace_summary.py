@@ -28,12 +28,23 @@ import bisect
 import heapq
 import itertools
 from collections import defaultdict
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
-from megatron.patchset.core.observe.labels import CATEGORIES, MOE_CATEGORIES, STEP_LABEL, parse_label
+from megatron.patchset.core.observe.labels import (
+    CATEGORIES,
+    MOE_CATEGORIES,
+    STEP_LABEL,
+    parse_label,
+)
 
 TOP_KERNELS = 15  # the summary lists the kernels with the most GPU time in the step
-SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+SYNC_CALLS = {
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+}
 SCALAR_OPS = {"aten::_local_scalar_dense"}
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 RUNTIME_CATS = {"cuda_runtime", "cuda_driver"}
@@ -51,10 +62,14 @@ def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]
     return [(a, b) for a, b in out]
 
 
-def union_length(intervals: Iterable[tuple[float, float]], lo: float = float("-inf"),
-                 hi: float = float("inf")) -> float:
+def union_length(
+    intervals: Iterable[tuple[float, float]], lo: float = float("-inf"), hi: float = float("inf")
+) -> float:
     """Total length covered by the intervals (clipped to [lo, hi]), overlaps counted once."""
-    return sum(b - a for a, b in merge((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo)))
+    return sum(
+        b - a
+        for a, b in merge((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo))
+    )
 
 
 def paint(intervals: list[tuple[float, float, Any]]) -> list[tuple[float, float, Any]]:
@@ -94,7 +109,7 @@ def _end(e: dict) -> float:
     return float(e["ts"]) + float(e.get("dur") or 0.0)
 
 
-def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
+def summarize_trace(events: list[dict], *, meta: dict | None = None) -> dict:
     """The summary of one profiled step from chrome-trace events (``traceEvents``)."""
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
     steps = [e for e in complete if e.get("name") == STEP_LABEL]
@@ -148,8 +163,16 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
             return None
         return _lookup(thread_paint[tid], thread_starts[tid], float(e["ts"]))
 
-    blank = {"host_us": 0.0, "fwd_host_us": 0.0, "bwd_host_us": 0.0, "launches": 0, "syncs": 0,
-             "sync_us": 0.0, "scalar_reads": 0, "gpu_kernel_us": 0.0}
+    blank = {
+        "host_us": 0.0,
+        "fwd_host_us": 0.0,
+        "bwd_host_us": 0.0,
+        "launches": 0,
+        "syncs": 0,
+        "sync_us": 0.0,
+        "scalar_reads": 0,
+        "gpu_kernel_us": 0.0,
+    }
     cats: dict[str, dict] = {name: dict(blank) for name in CATEGORIES}
     layers: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     details: dict[str, float] = defaultdict(float)
@@ -220,9 +243,13 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
     categories = {}
     for name, c in cats.items():
         categories[name] = {
-            "host_ms": c["host_us"] * ms, "fwd_host_ms": c["fwd_host_us"] * ms,
-            "bwd_host_ms": c["bwd_host_us"] * ms, "launches": c["launches"], "syncs": c["syncs"],
-            "sync_ms": c["sync_us"] * ms, "scalar_reads": c["scalar_reads"],
+            "host_ms": c["host_us"] * ms,
+            "fwd_host_ms": c["fwd_host_us"] * ms,
+            "bwd_host_ms": c["bwd_host_us"] * ms,
+            "launches": c["launches"],
+            "syncs": c["syncs"],
+            "sync_ms": c["sync_us"] * ms,
+            "scalar_reads": c["scalar_reads"],
             "gpu_kernel_ms": c["gpu_kernel_us"] * ms,
         }
     return {
@@ -240,8 +267,10 @@ def summarize_trace(events: list[dict], *, meta: Optional[dict] = None) -> dict:
         "d2h_copies": d2h,
         "scalar_reads": scalar_reads,
         "categories": categories,
-        "layers": {k: {c: v * ms for c, v in sorted(d.items())} for k, d in
-                   sorted(layers.items(), key=lambda kv: int(kv[0]))},
+        "layers": {
+            k: {c: v * ms for c, v in sorted(d.items())}
+            for k, d in sorted(layers.items(), key=lambda kv: int(kv[0]))
+        },
         "details_ms": {k: v * ms for k, v in sorted(details.items(), key=lambda kv: -kv[1])},
         "p2p": p2p,
         "p2p_kernels": p2p_list,
@@ -288,7 +317,7 @@ def p2p_kernels(p2p: list, compute: list, lo: float, hi: float) -> list[dict]:
     return out
 
 
-def split_p2p_wait(mine: list[dict], peer: list[dict]) -> Optional[dict]:
+def split_p2p_wait(mine: list[dict], peer: list[dict]) -> dict | None:
     """Pair this rank's P2P kernels with its pipeline peer's, in order (NCCL matches the
     operations of two ranks in the order they were issued), and split each kernel's time into
     *peer wait* (from its start until the peer's matching kernel starts: the pipeline dependency,
@@ -301,8 +330,10 @@ def split_p2p_wait(mine: list[dict], peer: list[dict]) -> Optional[dict]:
     for k, q in zip(mine, peer):
         begin = min(max(k["ts"], q["ts"]), k["end"])
         overlap = union_length([tuple(c) for c in k["compute"]], begin, k["end"])
-        row = out.setdefault(k["dir"], {"kernels": 0, "peer_wait_ms": 0.0, "transfer_ms": 0.0,
-                                        "transfer_exposed_ms": 0.0})
+        row = out.setdefault(
+            k["dir"],
+            {"kernels": 0, "peer_wait_ms": 0.0, "transfer_ms": 0.0, "transfer_exposed_ms": 0.0},
+        )
         row["kernels"] += 1
         row["peer_wait_ms"] += (begin - k["ts"]) * 1e-3
         row["transfer_ms"] += (k["end"] - begin) * 1e-3
@@ -329,8 +360,11 @@ def p2p_exposure(p2p: list, compute: list, lo: float, hi: float) -> dict:
     for direction, items in sorted(spans.items()):
         total = union_length(items, lo, hi)
         overlapped = total + compute_us - union_length(items + compute, lo, hi)
-        out[direction] = {"kernels": len(items), "kernel_ms": total * 1e-3,
-                          "exposed_ms": (total - overlapped) * 1e-3}
+        out[direction] = {
+            "kernels": len(items),
+            "kernel_ms": total * 1e-3,
+            "exposed_ms": (total - overlapped) * 1e-3,
+        }
     return out
 
 
@@ -338,41 +372,73 @@ def format_summary(summary: dict) -> str:
     """Markdown: the category table, the step totals and the per-layer MoE breakdown."""
     step = summary["step_host_ms"]
     gpu = summary.get("gpu_events", 0) > 0
-    head = ["category", "host ms", "% of step", "fwd (or call) ms", "bwd ms", "kernel launches",
-            "D2H syncs", "item/tolist", "GPU kernel ms"]
+    head = [
+        "category",
+        "host ms",
+        "% of step",
+        "fwd (or call) ms",
+        "bwd ms",
+        "kernel launches",
+        "D2H syncs",
+        "item/tolist",
+        "GPU kernel ms",
+    ]
     rows = [head]
     for name, title in CATEGORIES.items():
         c = summary["categories"].get(name)
         if c is None:
             continue
-        rows.append([title, f"{c['host_ms']:.2f}", f"{100 * c['host_ms'] / step:.1f}%" if step else "-",
-                     f"{c['fwd_host_ms']:.2f}", f"{c['bwd_host_ms']:.2f}", str(c["launches"]),
-                     str(c["syncs"]), str(c["scalar_reads"]), f"{c['gpu_kernel_ms']:.2f}" if gpu else "-"])
+        rows.append(
+            [
+                title,
+                f"{c['host_ms']:.2f}",
+                f"{100 * c['host_ms'] / step:.1f}%" if step else "-",
+                f"{c['fwd_host_ms']:.2f}",
+                f"{c['bwd_host_ms']:.2f}",
+                str(c["launches"]),
+                str(c["syncs"]),
+                str(c["scalar_reads"]),
+                f"{c['gpu_kernel_ms']:.2f}" if gpu else "-",
+            ]
+        )
     lines = [markdown_table(rows), ""]
     facts = [
         f"host time of the step: {step:.2f} ms",
-        (f"GPU busy: {summary['gpu_busy_ms']:.2f} ms, idle: {summary['gpu_idle_ms']:.2f} ms "
-         f"of a {summary['gpu_window_ms']:.2f} ms window ({100 * summary['gpu_idle_ms'] / summary['gpu_window_ms']:.1f}% idle)")
-        if gpu else "GPU: no CUDA activity recorded (CPU run)",
-        f"kernel launches: {summary['kernel_launches']}" + (
-            f" (+{summary['graph_launches']} CUDA graph launches)" if summary.get("graph_launches") else ""),
+        (
+            f"GPU busy: {summary['gpu_busy_ms']:.2f} ms, idle: {summary['gpu_idle_ms']:.2f} ms of "
+            f"a {summary['gpu_window_ms']:.2f} ms window "
+            f"({100 * summary['gpu_idle_ms'] / summary['gpu_window_ms']:.1f}% idle)"
+        )
+        if gpu
+        else "GPU: no CUDA activity recorded (CPU run)",
+        f"kernel launches: {summary['kernel_launches']}"
+        + (
+            f" (+{summary['graph_launches']} CUDA graph launches)"
+            if summary.get("graph_launches")
+            else ""
+        ),
         f"device-to-host syncs: {summary['d2h_syncs']} (D2H copies {summary['d2h_copies']}, "
         f"aten::_local_scalar_dense {summary['scalar_reads']})",
     ]
     for direction, p in (summary.get("p2p") or {}).items():
-        facts.append(f"pipeline P2P ({direction}): {p['kernels']} kernels, {p['kernel_ms']:.2f} ms on the GPU, "
-                     f"{p['exposed_ms']:.2f} ms exposed (no compute kernel running)")
+        facts.append(
+            f"pipeline P2P ({direction}): {p['kernels']} kernels, {p['kernel_ms']:.2f} ms on the "
+            f"GPU, {p['exposed_ms']:.2f} ms exposed (no compute kernel running)"
+        )
     lines += [f"* {f}" for f in facts]
     if summary.get("layers"):
         cols = ["attention", *MOE_CATEGORIES]
         table = [["layer", *cols, "total"]]
         for layer, values in summary["layers"].items():
-            table.append([layer, *(f"{values.get(c, 0.0):.2f}" for c in cols),
-                          f"{sum(values.values()):.2f}"])
+            table.append(
+                [layer, *(f"{values.get(c, 0.0):.2f}" for c in cols), f"{sum(values.values()):.2f}"]
+            )
         lines += ["", "Host ms per layer (forward and backward):", "", markdown_table(table)]
     if summary.get("top_kernels"):
         table = [["kernel (most GPU time first)", "calls", "GPU ms"]]
-        table += [[k["name"][:90], str(k["calls"]), f"{k['gpu_ms']:.2f}"] for k in summary["top_kernels"]]
+        table += [
+            [k["name"][:90], str(k["calls"]), f"{k['gpu_ms']:.2f}"] for k in summary["top_kernels"]
+        ]
         lines += ["", "GPU kernels of the step:", "", markdown_table(table)]
     return "\n".join(lines)
 

@@ -18,12 +18,20 @@ def packages(args) -> list[tuple[str, str]]:
     backend = requested_backend(args)
     why = f"--moe-flex-dispatcher-backend {backend}"
     if backend in ("deepep", "hybridep"):
-        revision = probes.HYBRIDEP_REVISION[:7] + " hybrid-ep" if backend == "hybridep" else probes.DEEPEP_REVISION[:7]
+        revision = (
+            probes.HYBRIDEP_REVISION[:7] + " hybrid-ep"
+            if backend == "hybridep"
+            else probes.DEEPEP_REVISION[:7]
+        )
         return [(f"deep_ep (DeepEP {revision}, built from source: docs/deepep.md)", why)]
     if backend == "ncclep":
         nccl = ".".join(map(str, probes.NCCL_EP_MIN_NCCL))
-        return [(f"transformer-engine[pytorch]=={SUPPORTED_TE_RANGE[0]}",
-                 f"{why}: its libnccl_ep.so, run with NCCL >= {nccl} (docs/deepep.md)")]
+        return [
+            (
+                f"transformer-engine[pytorch]=={SUPPORTED_TE_RANGE[0]}",
+                f"{why}: its libnccl_ep.so, run with NCCL >= {nccl} (docs/deepep.md)",
+            )
+        ]
     return []
 
 

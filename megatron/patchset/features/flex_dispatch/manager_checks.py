@@ -13,7 +13,10 @@ import importlib
 import threading
 
 from megatron.patchset.core.registry import patch
-from megatron.patchset.features.flex_dispatch.op_repair import TE_EP_OP_NAMESPACE, repair_mutable_default_kernels
+from megatron.patchset.features.flex_dispatch.op_repair import (
+    TE_EP_OP_NAMESPACE,
+    repair_mutable_default_kernels,
+)
 from megatron.patchset.features.flex_dispatch.probes import (
     FlexBackendError,
     _fmt,
@@ -53,7 +56,11 @@ def _checked_init(backend: str):
                 check_backend(backend)
                 _CHECKED.add(backend)
                 # one line per process: the GPU tests look for it
-                print(f"megatron-patchset: flex dispatcher backend {backend} from {backend_origin(backend)}", flush=True)
+                print(
+                    f"megatron-patchset: flex dispatcher backend {backend} from "
+                    f"{backend_origin(backend)}",
+                    flush=True,
+                )
             return original(self, *args, **kwargs)
 
         return __init__
@@ -78,7 +85,6 @@ _BACKEND_CHECKS = {
         "check both when the layer is built",
     ),
 }
-
 
 
 def _register_backend_checks() -> None:
@@ -126,10 +132,10 @@ def _ensure_bootstrap_factory(original):
 @patch(
     "token_dispatcher.ncclep_bootstrap",
     f"{_TD}.ensure_nccl_ep_bootstrapped",
-    reason="megatron-core 0.19.2 calls te_ep.ep_bootstrap without num_topk, which TransformerEngine "
-    "2.20's signature requires (TypeError at the first dispatch); also replaces the ADInplaceOrView "
-    "kernels of TE's EP custom ops that index mutated arguments torch 2.11 dropped for equalling "
-    "their defaults (IndexError at the first bf16 dispatch)",
+    reason="megatron-core 0.19.2 calls te_ep.ep_bootstrap without num_topk, which "
+    "TransformerEngine 2.20's signature requires (TypeError at the first dispatch); also replaces "
+    "the ADInplaceOrView kernels of TE's EP custom ops that index mutated arguments torch 2.11 "
+    "dropped for equalling their defaults (IndexError at the first bf16 dispatch)",
     upstream_pr="fork-only (TE 2.20.2 made ep_bootstrap's num_topk required)",
     flags=("--moe-flex-dispatcher-backend ncclep",),
     enabled=_backend_is("ncclep"),
@@ -139,8 +145,15 @@ def _bootstrap_factory(_original):
     return ensure_nccl_ep_bootstrapped
 
 
-def ensure_nccl_ep_bootstrapped(ep_group, num_experts, max_tokens_per_rank, recv_capacity_per_rank, hidden_dim,
-                                num_sms=0, zero_copy=False):
+def ensure_nccl_ep_bootstrapped(
+    ep_group,
+    num_experts,
+    max_tokens_per_rank,
+    recv_capacity_per_rank,
+    hidden_dim,
+    num_sms=0,
+    zero_copy=False,
+):
     """Bootstrap TE's NCCL EP once per process (collective over ``ep_group``), passing the top-k
     of the MoE layer whose first dispatch triggers it."""
     from transformer_engine.pytorch import ep as te_ep

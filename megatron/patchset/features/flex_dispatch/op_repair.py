@@ -14,14 +14,18 @@ import logging
 logger = logging.getLogger(__name__)
 
 TE_EP_OP_NAMESPACE = "transformer_engine_ep"
-_REPAIR_LIBRARIES: dict = {}  # namespace -> torch.library.Library (registrations live as long as it)
+# namespace -> torch.library.Library (the registrations live as long as the library object)
+_REPAIR_LIBRARIES: dict = {}
 _REPAIRED: set = set()
 
 
 def mutated_arguments(schema) -> list[tuple[int, str]]:
     """(position, name) of the arguments an op mutates."""
-    return [(i, arg.name) for i, arg in enumerate(schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write]
+    return [
+        (i, arg.name)
+        for i, arg in enumerate(schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    ]
 
 
 def repair_mutable_default_kernels(namespace: str) -> list[str]:
@@ -63,6 +67,8 @@ def repair_mutable_default_kernels(namespace: str) -> list[str]:
         _REPAIRED.add(full)
         repaired.append(full)
     if repaired:
-        logger.info("megatron-patchset: ADInplaceOrView kernels of %s tolerate dropped default arguments",
-                    ", ".join(repaired))
+        logger.info(
+            "megatron-patchset: ADInplaceOrView kernels of %s tolerate dropped default arguments",
+            ", ".join(repaired),
+        )
     return repaired

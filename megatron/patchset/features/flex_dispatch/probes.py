@@ -1,4 +1,5 @@
-"""Probes of the flex token dispatcher's backends on megatron-core 0.19.2: DeepEP, HybridEP, NCCL EP.
+"""Probes of the flex token dispatcher's backends on megatron-core 0.19.2: DeepEP, HybridEP, NCCL
+EP.
 
 ``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {deepep,hybridep,ncclep}``
 hands the MoE all-to-all to an external library. megatron-core probes those libraries once, when
@@ -24,8 +25,9 @@ import importlib
 import inspect
 import os
 import re
+from collections.abc import Mapping
 from pathlib import PurePosixPath
-from typing import Any, Mapping, Optional
+from typing import Any
 
 BACKENDS = ("deepep", "hybridep", "ncclep")
 DEEPEP_REPOSITORY = "https://github.com/deepseek-ai/DeepEP"
@@ -34,7 +36,8 @@ DEEPEP_REPOSITORY = "https://github.com/deepseek-ai/DeepEP"
 DEEPEP_REVISION = "567632dd59810d77b3cc05553df953cc0f779799"
 # Branch hybrid-ep: the same Buffer plus HybridEPBuffer (with fused permute-dispatch).
 HYBRIDEP_REVISION = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
-# Group sizes (TP x EP) DeepEP's normal kernels have a tuned config for (Buffer.get_dispatch_config).
+# Group sizes (TP x EP) DeepEP's normal kernels have a tuned config for
+# (Buffer.get_dispatch_config).
 DEEPEP_GROUP_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 
 # TransformerEngine 2.20's NCCL EP. TE's Python side asks for NCCL >= 2.30.4, but the
@@ -59,19 +62,52 @@ _DEEPEP_BUFFER_API = {
     "get_dispatch_config": (),
     "get_combine_config": (),
     "set_num_sms": (),
-    "get_dispatch_layout": ("topk_idx", "num_experts", "previous_event", "async_finish", "allocate_on_comm_stream"),
-    "dispatch": (
-        "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
-        "num_tokens_per_expert", "topk_idx", "topk_weights", "previous_event", "async_finish",
+    "get_dispatch_layout": (
+        "topk_idx",
+        "num_experts",
+        "previous_event",
+        "async_finish",
         "allocate_on_comm_stream",
     ),
-    "combine": ("x", "handle", "topk_weights", "previous_event", "async_finish", "allocate_on_comm_stream"),
+    "dispatch": (
+        "x",
+        "handle",
+        "num_tokens_per_rank",
+        "num_tokens_per_rdma_rank",
+        "is_token_in_rank",
+        "num_tokens_per_expert",
+        "topk_idx",
+        "topk_weights",
+        "previous_event",
+        "async_finish",
+        "allocate_on_comm_stream",
+    ),
+    "combine": (
+        "x",
+        "handle",
+        "topk_weights",
+        "previous_event",
+        "async_finish",
+        "allocate_on_comm_stream",
+    ),
 }
 _HYBRIDEP_API = {
-    "__init__": ("group", "hidden_dim", "max_num_of_tokens_per_rank", "num_local_experts", "use_fp8"),
+    "__init__": (
+        "group",
+        "hidden_dim",
+        "max_num_of_tokens_per_rank",
+        "num_local_experts",
+        "use_fp8",
+    ),
     "dispatch_with_permute": (
-        "hidden", "routing_map", "probs", "scaling_factor", "num_of_experts_per_rank",
-        "pad_multiple", "num_permuted_tokens", "non_blocking",
+        "hidden",
+        "routing_map",
+        "probs",
+        "scaling_factor",
+        "num_of_experts_per_rank",
+        "pad_multiple",
+        "num_permuted_tokens",
+        "non_blocking",
     ),
     "combine_with_unpermute": ("hidden", "handle", "pad_multiple"),
 }
@@ -79,10 +115,11 @@ _TE_EP_API = ("ep_bootstrap", "EpBuffer", "ep_dispatch", "ep_combine", "ep_final
 
 
 class FlexBackendError(RuntimeError):
-    """A requested flex dispatcher backend cannot run here; the message says why and how to fix it."""
+    """A requested flex dispatcher backend cannot run here; the message says why and how to fix
+    it."""
 
 
-def requested_backend(args: Any) -> Optional[str]:
+def requested_backend(args: Any) -> str | None:
     """The flex backend the arguments ask for, or None (another dispatcher, or no arguments)."""
     if args is None or getattr(args, "moe_token_dispatcher_type", None) != "flex":
         return None
@@ -126,12 +163,12 @@ def _build_hint(backend: str) -> str:
     revision = HYBRIDEP_REVISION if backend == "hybridep" else DEEPEP_REVISION
     branch = " (branch hybrid-ep)" if backend == "hybridep" else ""
     return (
-        f"Build DeepEP {revision[:7]}{branch} from {DEEPEP_REPOSITORY} with "
-        f"`bash tools/build_deepep.sh <source> <dest>` and put <dest> on PYTHONPATH (docs/deepep.md)"
+        f"Build DeepEP {revision[:7]}{branch} from {DEEPEP_REPOSITORY} with `bash "
+        "tools/build_deepep.sh <source> <dest>` and put <dest> on PYTHONPATH (docs/deepep.md)"
     )
 
 
-def probe_deep_ep(backend: str = "deepep") -> Optional[str]:
+def probe_deep_ep(backend: str = "deepep") -> str | None:
     """None when DeepEP offers what megatron-core 0.19.2 calls for ``backend`` (deepep or
     hybridep), else why not, with the original exception text."""
     hint = _build_hint(backend)
@@ -146,11 +183,15 @@ def probe_deep_ep(backend: str = "deepep") -> Optional[str]:
     try:
         from deep_ep.utils import EventHandle, EventOverlap  # noqa: F401  (megatron's import)
     except Exception as exc:  # noqa: BLE001
-        v2 = " DeepEP 2.x (EPv2) moved them;" if version.startswith("2") or "EventHandle" in str(exc) else ""
+        v2 = (
+            " DeepEP 2.x (EPv2) moved them;"
+            if version.startswith("2") or "EventHandle" in str(exc)
+            else ""
+        )
         return (
             f"DeepEP at {where} lacks `from deep_ep.utils import EventHandle, EventOverlap`, which "
-            f"megatron-core 0.19.2 imports ({_exception_text(exc)}).{v2} megatron would report it as "
-            f"not installed. {hint}."
+            f"megatron-core 0.19.2 imports ({_exception_text(exc)}).{v2} megatron would report it "
+            f"as not installed. {hint}."
         )
     gaps = []
     buffer = getattr(deep_ep, "Buffer", None)
@@ -161,17 +202,20 @@ def probe_deep_ep(backend: str = "deepep") -> Optional[str]:
     if backend == "hybridep":
         hybrid = getattr(deep_ep, "HybridEPBuffer", None)
         if hybrid is None:
-            gaps.append("deep_ep.HybridEPBuffer is missing (it exists only on DeepEP's hybrid-ep branch)")
+            gaps.append(
+                "deep_ep.HybridEPBuffer is missing (it exists only on DeepEP's hybrid-ep branch)"
+            )
         else:
             gaps += _api_gaps(hybrid, _HYBRIDEP_API)
     if gaps:
         return (
-            f"DeepEP at {where} does not have the API megatron-core 0.19.2 calls: {'; '.join(gaps)}. {hint}."
+            f"DeepEP at {where} does not have the API megatron-core 0.19.2 calls: "
+            f"{'; '.join(gaps)}. {hint}."
         )
     return None
 
 
-def deep_ep_group_size_problem(group_size: int) -> Optional[str]:
+def deep_ep_group_size_problem(group_size: int) -> str | None:
     """None when DeepEP's normal kernels support a TP x EP group of ``group_size`` ranks."""
     try:
         from deep_ep import Buffer
@@ -185,12 +229,12 @@ def deep_ep_group_size_problem(group_size: int) -> Optional[str]:
         if group_size in DEEPEP_GROUP_SIZES:
             return None
     return (
-        f"DeepEP has no dispatch/combine configuration for a group of {group_size} ranks "
-        f"(tensor x expert parallel); supported: {', '.join(map(str, DEEPEP_GROUP_SIZES))}"
+        f"DeepEP has no dispatch/combine configuration for a group of {group_size} ranks (tensor x "
+        f"expert parallel); supported: {', '.join(map(str, DEEPEP_GROUP_SIZES))}"
     )
 
 
-def nccl_runtime_version() -> Optional[tuple[int, int, int]]:
+def nccl_runtime_version() -> tuple[int, int, int] | None:
     """Version of the libnccl.so.2 this process loads (the one torch loaded, or LD_PRELOAD's)."""
     try:
         lib = ctypes.CDLL("libnccl.so.2", mode=getattr(ctypes, "RTLD_GLOBAL", 0))
@@ -210,20 +254,23 @@ def _fmt(version: tuple[int, ...]) -> str:
 def nccl_upgrade_hint() -> str:
     return (
         f"install {NCCL_EP_NCCL_WHEEL} (or any NCCL >= {_fmt(NCCL_EP_MIN_NCCL)}) and load it in "
-        f"place of torch's: LD_PRELOAD=<site-packages>/nvidia/nccl/lib/libnccl.so.2 (docs/deepep.md)"
+        "place of torch's: LD_PRELOAD=<site-packages>/nvidia/nccl/lib/libnccl.so.2 (docs/deepep.md)"
     )
 
 
-def _env_value(environ: Mapping[str, str], name: str) -> Optional[str]:
+def _env_value(environ: Mapping[str, str], name: str) -> str | None:
     """The variable's value; TE treats an empty value like an unset one."""
     value = environ.get(name)
     return value if value else None
 
 
-_DEFINE = {field: re.compile(r"#define\s*NCCL_" + field + r"\s*([+-]?\d+)") for field in ("MAJOR", "MINOR", "PATCH")}
+_DEFINE = {
+    field: re.compile(r"#define\s*NCCL_" + field + r"\s*([+-]?\d+)")
+    for field in ("MAJOR", "MINOR", "PATCH")
+}
 
 
-def nccl_header_version(include_dir: str) -> Optional[int]:
+def nccl_header_version(include_dir: str) -> int | None:
     """The version code (major * 10000 + minor * 100 + patch, as ``ncclGetVersion`` reports it)
     that ``include_dir/nccl.h`` defines, or None when there is no such file or a field is missing.
     The first ``#define NCCL_MAJOR/MINOR/PATCH <n>`` at the start of a line counts."""
@@ -243,12 +290,16 @@ def nccl_header_version(include_dir: str) -> Optional[int]:
     return found["MAJOR"] * 10000 + found["MINOR"] * 100 + found["PATCH"]
 
 
-def _library_of_symbol(library: str, symbol: str) -> Optional[str]:
+def _library_of_symbol(library: str, symbol: str) -> str | None:
     """The file (as the loader names it) that provides ``symbol`` of ``library`` in this process."""
 
     class _DlInfo(ctypes.Structure):
-        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+        _fields_ = [
+            ("dli_fname", ctypes.c_char_p),
+            ("dli_fbase", ctypes.c_void_p),
+            ("dli_sname", ctypes.c_char_p),
+            ("dli_saddr", ctypes.c_void_p),
+        ]
 
     try:
         address = ctypes.cast(getattr(ctypes.CDLL(library), symbol), ctypes.c_void_p).value
@@ -257,15 +308,20 @@ def _library_of_symbol(library: str, symbol: str) -> Optional[str]:
         except AttributeError:  # glibc < 2.34 keeps it in libdl
             dladdr = ctypes.CDLL("libdl.so.2").dladdr
         info = _DlInfo()
-        if not address or not dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+        if (
+            not address
+            or not dladdr(ctypes.c_void_p(address), ctypes.byref(info))
+            or not info.dli_fname
+        ):
             return None
     except (OSError, AttributeError):
         return None
     return os.path.join(os.getcwd(), os.fsdecode(info.dli_fname))
 
 
-def _mapped_library(prefix: str) -> Optional[str]:
-    """Path of the first shared object mapped into this process whose file name starts with prefix."""
+def _mapped_library(prefix: str) -> str | None:
+    """Path of the first shared object mapped into this process whose file name starts with
+    prefix."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -277,7 +333,7 @@ def _mapped_library(prefix: str) -> Optional[str]:
     return None
 
 
-def _ancestor_include_dirs(library: Optional[str]) -> list[str]:
+def _ancestor_include_dirs(library: str | None) -> list[str]:
     """For the folder of ``library`` and each folder above it (not ``/``): ``<dir>/include`` and
     ``<dir>/nvidia/nccl/include`` (a pip ``nvidia-nccl-*`` wheel's layout)."""
     if not library:
@@ -296,7 +352,9 @@ def _ancestor_include_dirs(library: Optional[str]) -> list[str]:
 _DISCOVER = object()
 
 
-def nccl_include_candidates(nccl_library: Any = _DISCOVER, te_library: Any = _DISCOVER) -> list[str]:
+def nccl_include_candidates(
+    nccl_library: Any = _DISCOVER, te_library: Any = _DISCOVER
+) -> list[str]:
     """Where TE 2.20.2 looks for nccl.h when neither NCCL_EP_JIT_BUILD_INCLUDE_DIR nor NCCL_HOME
     is set, in its order: around the libnccl.so.2 that provides ``ncclGetVersion`` (with
     LD_PRELOAD, the preloaded one), around libtransformer_engine.so, then the fixed folders."""
@@ -305,22 +363,32 @@ def nccl_include_candidates(nccl_library: Any = _DISCOVER, te_library: Any = _DI
     if te_library is _DISCOVER:
         te_library = _mapped_library("libtransformer_engine.so")
     out: list[str] = []
-    for path in _ancestor_include_dirs(nccl_library) + _ancestor_include_dirs(te_library) + list(NCCL_INCLUDE_FALLBACKS):
+    for path in (
+        _ancestor_include_dirs(nccl_library)
+        + _ancestor_include_dirs(te_library)
+        + list(NCCL_INCLUDE_FALLBACKS)
+    ):
         if path not in out:
             out.append(path)
     return out
 
 
 def _missing_headers(include_dir: str) -> list[str]:
-    return [name for name in NCCL_JIT_HEADERS if not os.path.isfile(os.path.join(include_dir, name))]
+    return [
+        name for name in NCCL_JIT_HEADERS if not os.path.isfile(os.path.join(include_dir, name))
+    ]
 
 
 def _code(version: tuple[int, int, int]) -> int:
     return version[0] * 10000 + version[1] * 100 + version[2]
 
 
-def nccl_jit_include_dir(version: tuple[int, int, int], environ: Optional[Mapping[str, str]] = None,
-                         nccl_library: Any = _DISCOVER, te_library: Any = _DISCOVER) -> tuple[Optional[str], str]:
+def nccl_jit_include_dir(
+    version: tuple[int, int, int],
+    environ: Mapping[str, str] | None = None,
+    nccl_library: Any = _DISCOVER,
+    te_library: Any = _DISCOVER,
+) -> tuple[str | None, str]:
     """The NCCL include folder NCCL EP's JIT will compile against, and how it was chosen, or
     (None, why not). ``version`` is the loaded NCCL's.
 
@@ -344,34 +412,48 @@ def nccl_jit_include_dir(version: tuple[int, int, int], environ: Optional[Mappin
             return candidate, f"TE's search found nccl.h {_fmt(version)} there"
         if found is not None:
             others.append(f"{candidate} ({found // 10000}.{found // 100 % 100}.{found % 100})")
-    where = (f"the folders (and their parents) of {nccl_library or 'libnccl.so.2 (not located)'} and "
-             f"{te_library or 'libtransformer_engine.so (not loaded)'}, each with include/ and "
-             f"nvidia/nccl/include/, then {', '.join(NCCL_INCLUDE_FALLBACKS)}")
+    where = (
+        f"the folders (and their parents) of {nccl_library or 'libnccl.so.2 (not located)'} and "
+        f"{te_library or 'libtransformer_engine.so (not loaded)'}, each with include/ and "
+        f"nvidia/nccl/include/, then {', '.join(NCCL_INCLUDE_FALLBACKS)}"
+    )
     other = f"; nccl.h of other versions: {', '.join(others)}" if others else ""
     return None, f"no nccl.h of NCCL {_fmt(version)} in {where}{other}"
 
 
-def nccl_jit_include_problem(version: tuple[int, int, int], environ: Optional[Mapping[str, str]] = None,
-                             nccl_library: Any = _DISCOVER, te_library: Any = _DISCOVER) -> Optional[str]:
+def nccl_jit_include_problem(
+    version: tuple[int, int, int],
+    environ: Mapping[str, str] | None = None,
+    nccl_library: Any = _DISCOVER,
+    te_library: Any = _DISCOVER,
+) -> str | None:
     """None when NCCL EP's JIT will find NCCL headers (nccl.h and nccl_device.h), else why not and
     what to set. Checked before launch: TE only fails at the first dispatch (ep_initialize)."""
     include_dir, how = nccl_jit_include_dir(version, environ, nccl_library, te_library)
-    fix = (f"set {NCCL_INCLUDE_ENV} to the folder holding nccl.h and nccl_device.h of NCCL {_fmt(version)} "
-           f"(the nvidia/nccl/include folder of the {NCCL_EP_NCCL_WHEEL} wheel), or {NCCL_HOME_ENV} to the "
-           f"folder above that include/ (docs/deepep.md)")
+    fix = (
+        f"set {NCCL_INCLUDE_ENV} to the folder holding nccl.h and nccl_device.h of NCCL "
+        f"{_fmt(version)} (the nvidia/nccl/include folder of the {NCCL_EP_NCCL_WHEEL} wheel), or "
+        f"{NCCL_HOME_ENV} to the folder above that include/ (docs/deepep.md)"
+    )
     if include_dir is None:
-        return (f"TransformerEngine's NCCL EP compiles its kernels with nvcc at the first dispatch and needs "
-                f"the NCCL headers matching the loaded NCCL {_fmt(version)}, but {NCCL_INCLUDE_ENV} and "
-                f"{NCCL_HOME_ENV} are unset and there is {how}; TE would stop in ep_initialize with "
-                f"'Could not find NCCL headers matching runtime NCCL {_fmt(version)}'. {fix[0].upper()}{fix[1:]}.")
+        return (
+            "TransformerEngine's NCCL EP compiles its kernels with nvcc at the first dispatch and "
+            f"needs the NCCL headers matching the loaded NCCL {_fmt(version)}, but "
+            f"{NCCL_INCLUDE_ENV} and {NCCL_HOME_ENV} are unset and there is {how}; TE would stop "
+            "in ep_initialize with 'Could not find NCCL headers matching runtime NCCL "
+            f"{_fmt(version)}'. {fix[0].upper()}{fix[1:]}."
+        )
     missing = _missing_headers(include_dir)
     if missing:
-        return (f"TransformerEngine's NCCL EP JIT-compiles against the NCCL headers in {include_dir} "
-                f"({how}), but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not there; {fix}.")
+        return (
+            f"TransformerEngine's NCCL EP JIT-compiles against the NCCL headers in {include_dir} "
+            f"({how}), but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+            f"there; {fix}."
+        )
     return None
 
 
-def probe_nccl_ep(check_runtime: bool = True) -> Optional[str]:
+def probe_nccl_ep(check_runtime: bool = True) -> str | None:
     """None when TransformerEngine's NCCL EP can run here, else why not.
 
     Checks that ``transformer_engine.pytorch.ep`` imports (original exception otherwise), that TE
@@ -382,12 +464,15 @@ def probe_nccl_ep(check_runtime: bool = True) -> Optional[str]:
         te_ep = importlib.import_module("transformer_engine.pytorch.ep")
     except Exception as exc:  # noqa: BLE001
         return (
-            f"TransformerEngine's NCCL EP (transformer_engine.pytorch.ep) does not import: "
+            "TransformerEngine's NCCL EP (transformer_engine.pytorch.ep) does not import: "
             f"{_exception_text(exc)}. It needs transformer-engine 2.20 with its torch extension."
         )
     missing = [name for name in _TE_EP_API if not hasattr(te_ep, name)]
     if missing:
-        return f"transformer_engine.pytorch.ep lacks {', '.join(missing)}, which megatron-core 0.19.2 calls."
+        return (
+            f"transformer_engine.pytorch.ep lacks {', '.join(missing)}, which megatron-core 0.19.2 "
+            "calls."
+        )
     try:
         import transformer_engine
 
@@ -396,8 +481,8 @@ def probe_nccl_ep(check_runtime: bool = True) -> Optional[str]:
         library = True
     if not library:
         return (
-            "TransformerEngine has no libnccl_ep.so (the transformer-engine-cu13 wheel ships it in "
-            "transformer_engine/wheel_lib; a source build needs NVTE_WITH_NCCL_EP=1)."
+            "TransformerEngine has no libnccl_ep.so (the transformer-engine-cu13 wheel ships it "
+            "in transformer_engine/wheel_lib; a source build needs NVTE_WITH_NCCL_EP=1)."
         )
     if check_runtime:
         found = nccl_runtime_version()
@@ -418,7 +503,9 @@ def probe_nccl_ep(check_runtime: bool = True) -> Optional[str]:
 def check_backend(backend: str, *, check_runtime: bool = True) -> None:
     """Raise :class:`FlexBackendError` when ``backend`` cannot run here."""
     if backend not in BACKENDS:
-        raise FlexBackendError(f"unknown flex dispatcher backend {backend!r}; one of {', '.join(BACKENDS)}")
+        raise FlexBackendError(
+            f"unknown flex dispatcher backend {backend!r}; one of {', '.join(BACKENDS)}"
+        )
     problem = probe_nccl_ep(check_runtime) if backend == "ncclep" else probe_deep_ep(backend)
     if problem:
         raise FlexBackendError(f"--moe-flex-dispatcher-backend {backend}: {problem}")

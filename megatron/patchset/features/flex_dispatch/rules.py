@@ -39,7 +39,11 @@ def _flex_backend_installed(args, config):
 @rule(
     "flex-backend-group-size",
     phase="combination",
-    flags=("--moe-flex-dispatcher-backend", "--tensor-model-parallel-size", "--expert-model-parallel-size"),
+    flags=(
+        "--moe-flex-dispatcher-backend",
+        "--tensor-model-parallel-size",
+        "--expert-model-parallel-size",
+    ),
 )
 def _flex_backend_group_size(args, config):
     """deepep and ncclep communicate over the TP x EP group, which must have 2 or more ranks
@@ -54,7 +58,7 @@ def _flex_backend_group_size(args, config):
         return (
             f"--moe-flex-dispatcher-backend {backend} dispatches over the tensor x expert parallel "
             f"group, which has 1 rank ({flags}); megatron asserts TPxEP > 1. Use "
-            f"--expert-model-parallel-size 2 or more, or --moe-token-dispatcher-type alltoall."
+            "--expert-model-parallel-size 2 or more, or --moe-token-dispatcher-type alltoall."
         )
     if backend == "deepep":
         problem = deep_ep_group_size_problem(group)
@@ -74,8 +78,9 @@ def _ncclep_needs_rank_capacity(args, config):
         return None
     if getattr(args, "moe_expert_rank_capacity_factor", None) is None:
         return (
-            "--moe-flex-dispatcher-backend ncclep needs --moe-expert-rank-capacity-factor (e.g. 2.0): "
-            "it sizes each rank's receive buffer as tokens x top-k x factor, and megatron refuses "
-            "to build the MoE layer without it. A budget that is exceeded traps the kernel, so be generous."
+            "--moe-flex-dispatcher-backend ncclep needs --moe-expert-rank-capacity-factor (e.g. "
+            "2.0): it sizes each rank's receive buffer as tokens x top-k x factor, and megatron "
+            "refuses to build the MoE layer without it. A budget that is exceeded traps the "
+            "kernel, so be generous."
         )
     return None

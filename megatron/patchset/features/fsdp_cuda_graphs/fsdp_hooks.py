@@ -3,24 +3,31 @@
 Megatron-FSDP (``optim_grads_params``) makes every transformer layer an *FSDP unit* and hangs
 four module hooks on it (megatron-core 0.19.2, ``MegatronFSDP._register_fsdp_hooks``):
 
-=====================  ==========================================  ===================================
+=====================  ==========================================
+===================================
 module hook            registered callable                         what must happen at graph capture
-=====================  ==========================================  ===================================
+=====================  ==========================================
+===================================
 forward pre            ``_pre_forward_param_unshard``               run as is (all-gather the layer)
 forward pre            ``partial(_register_post_backward_hook,     wrapper: its inner handler
-                       _post_backward_release_module)``             (``_post_backward_release_module``)
+                       _post_backward_release_module)``
+                       (``_post_backward_release_module``)
                                                                     runs after the layer's backward
-forward                ``_post_forward``                            run as is (release after forward)
+forward                ``_post_forward``                            run as is (release after
+forward)
 forward                ``create_custom_backward_hook(...)``'s       wrapper: its inner handler
-                       ``forward_hook``                             (``_pre_backward_param_unshard``)
+                       ``forward_hook``
+                       (``_pre_backward_param_unshard``)
                                                                     runs before the layer's backward
-=====================  ==========================================  ===================================
+=====================  ==========================================
+===================================
 
 The two *wrappers* do their work by attaching autograd machinery to the layer's inputs and
 outputs, which cannot happen inside a CUDA graph; TransformerEngine instead runs plain
 ``hook(module)`` callables around each captured forward and backward
 (``make_graphed_callables(capture_time_hooks=...)``). So each wrapper carries a marker naming
-its inner handler, and the CUDA-graph helper (:mod:`~megatron.patchset.features.fsdp_cuda_graphs.te_graphs`) hands TE
+its inner handler, and the CUDA-graph helper
+(:mod:`~megatron.patchset.features.fsdp_cuda_graphs.te_graphs`) hands TE
 the inner handlers under the right keys and withholds the wrappers.
 
 The markers are attached where the hooks are registered: :class:`CudaGraphAwareMegatronFSDP`
@@ -39,7 +46,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from megatron.patchset.core.registry import PatchsetError, patch
 
@@ -52,7 +60,11 @@ CAPTURE_GUARD = "_patchset_skip_while_capturing"  # gradient hook guarded during
 
 _HOOK_PREFIX = "MegatronFSDP._register_fsdp_hooks.<locals>."
 # Hooks that use only their first argument (the module): TE may call them as hook(module).
-_PLAIN_HOOKS = ("_pre_forward_param_unshard", "_post_forward", "_release_module_fp8_transpose_cache")
+_PLAIN_HOOKS = (
+    "_pre_forward_param_unshard",
+    "_post_forward",
+    "_release_module_fp8_transpose_cache",
+)
 _POST_BACKWARD_WRAPPER = "_register_post_backward_hook"
 _PRE_BACKWARD_WRAPPER = "create_custom_backward_hook.<locals>.forward_hook"
 _ROOT_PRE_BACKWARD = "_root_pre_backward"
@@ -65,7 +77,7 @@ class FSDPHookDriftError(PatchsetError):
     """A Megatron-FSDP hook does not look like megatron-core 0.19.2's."""
 
 
-def local_name(fn: Any) -> Optional[str]:
+def local_name(fn: Any) -> str | None:
     """The name of ``fn`` inside ``MegatronFSDP._register_fsdp_hooks``, or None when ``fn``
     is not one of that method's local functions (through ``functools.partial`` and the
     ``torch.compiler.disable`` wrapper)."""
@@ -73,7 +85,7 @@ def local_name(fn: Any) -> Optional[str]:
     qualname = getattr(inspect.unwrap(target), "__qualname__", "") or ""
     if not qualname.startswith(_HOOK_PREFIX):
         return None
-    return qualname[len(_HOOK_PREFIX):]
+    return qualname[len(_HOOK_PREFIX) :]
 
 
 def _wrapped_handler(fn: Callable) -> Callable:
@@ -82,14 +94,14 @@ def _wrapped_handler(fn: Callable) -> Callable:
     names = raw.__code__.co_freevars
     if _WRAPPER_CELL not in names or raw.__closure__ is None:
         raise FSDPHookDriftError(
-            f"Megatron-FSDP's pre-backward hook wrapper no longer closes over "
-            f"{_WRAPPER_CELL!r} (free variables: {names}); megatron-core changed "
-            f"create_custom_backward_hook: update features/fsdp_cuda_graphs/fsdp_hooks.py"
+            f"Megatron-FSDP's pre-backward hook wrapper no longer closes over {_WRAPPER_CELL!r} "
+            f"(free variables: {names}); megatron-core changed create_custom_backward_hook: update "
+            "features/fsdp_cuda_graphs/fsdp_hooks.py"
         )
     return raw.__closure__[names.index(_WRAPPER_CELL)].cell_contents
 
 
-def mark_hook(fn: Any) -> Optional[str]:
+def mark_hook(fn: Any) -> str | None:
     """Attach the CUDA-graph marker to one hook registered by Megatron-FSDP.
 
     Returns the role (``"plain"``, ``"backward"``, ``"backward_pre"``, ``"withhold"``) or None
@@ -113,8 +125,8 @@ def mark_hook(fn: Any) -> Optional[str]:
         return "backward_pre"
     raise FSDPHookDriftError(
         f"unknown Megatron-FSDP module hook {name!r}: megatron-core's _register_fsdp_hooks "
-        f"registers a hook this fork does not know how to run under CUDA graph capture; "
-        f"update features/fsdp_cuda_graphs/fsdp_hooks.py"
+        "registers a hook this fork does not know how to run under CUDA graph capture; update "
+        "features/fsdp_cuda_graphs/fsdp_hooks.py"
     )
 
 
@@ -138,7 +150,9 @@ def _mcore_graph_capturing() -> bool:
     return is_graph_capturing()
 
 
-def skip_while_capturing(hook: Callable, capturing: Callable[[], bool] = _mcore_graph_capturing) -> Callable:
+def skip_while_capturing(
+    hook: Callable, capturing: Callable[[], bool] = _mcore_graph_capturing
+) -> Callable:
     """``hook`` (a parameter's post-accumulate-grad hook) as a no-op while megatron-core is
     capturing per-layer CUDA graphs (its flag also covers TE's warm-up passes; it is not set by
     full-iteration graphs, which must keep their reduce-scatter)."""
@@ -155,7 +169,9 @@ def skip_while_capturing(hook: Callable, capturing: Callable[[], bool] = _mcore_
     return guarded
 
 
-def guard_gradient_hooks(handles: Iterable[Any], capturing: Callable[[], bool] = _mcore_graph_capturing) -> int:
+def guard_gradient_hooks(
+    handles: Iterable[Any], capturing: Callable[[], bool] = _mcore_graph_capturing
+) -> int:
     """Replace, in place, each hook behind the ``RemovableHandle``s with its capture guard (the
     handles stay valid: the dict and the id are unchanged). Returns how many were guarded."""
     count = 0
@@ -215,9 +231,10 @@ def wanted(args: Any) -> bool:
 @patch(
     PATCH_NAME,
     "megatron.core.distributed.fsdp.mcore_fsdp_adapter.MegatronFSDP",
-    reason="TE per-layer graph capture must tell FSDP's autograd-attaching hook wrappers from their "
-    "inner handlers, and FSDP must not reduce gradients of the capture passes: mark the hooks where "
-    "they are registered and guard the gradient hooks (CudaGraphAwareMegatronFSDP, a subclass)",
+    reason="TE per-layer graph capture must tell FSDP's autograd-attaching hook wrappers from "
+    "their inner handlers, and FSDP must not reduce gradients of the capture passes: mark the "
+    "hooks where they are registered and guard the gradient hooks (CudaGraphAwareMegatronFSDP, a "
+    "subclass)",
     kind="feature",
 )
 def _fsdp_class(original):

@@ -30,12 +30,13 @@ What this module changes (each a registered patch, on with ``--use-megatron-fsdp
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from megatron.patchset.features.fsdp_cuda_graphs import fsdp_hooks
 from megatron.patchset.core.registry import PatchsetError, patch
+from megatron.patchset.features.fsdp_cuda_graphs import fsdp_hooks
 
 # TransformerEngine 2.20.2's capture_time_hooks keys (transformer_engine/pytorch/graph.py).
 TE_HOOK_KEYS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
@@ -47,7 +48,6 @@ MODULE_HOOK_DICTS = {
     "backward": "_backward_hooks",
 }
 ORIGINAL_FORWARD = "_patchset_original_forward"
-
 
 
 class CudaGraphHookError(PatchsetError):
@@ -150,7 +150,7 @@ def _describe(fn: Callable) -> str:
     return getattr(target, "__qualname__", repr(target))
 
 
-def capture_time_hooks(stash: HookStash, name: str = "") -> Optional[dict[str, dict[int, Callable]]]:
+def capture_time_hooks(stash: HookStash, name: str = "") -> dict[str, dict[int, Callable]] | None:
     """The hooks of one graphed module, as TE's ``capture_time_hooks`` entry (None: no hooks).
 
     * a forward-pre wrapper marked with an inner *backward* handler: the handler, under
@@ -173,7 +173,9 @@ def capture_time_hooks(stash: HookStash, name: str = "") -> Optional[dict[str, d
         if inner is not None:
             te["backward_hooks"][hook_id] = _module_only(inner)
         elif getattr(fn, fsdp_hooks.CAPTURE_SAFE, False):
-            te["forward_pre_hooks"][hook_id] = _plain_forward_pre(fn, hook_id in stash.forward_pre_with_kwargs)
+            te["forward_pre_hooks"][hook_id] = _plain_forward_pre(
+                fn, hook_id in stash.forward_pre_with_kwargs
+            )
         else:
             raise CudaGraphHookError(f"forward pre-hook {_describe(fn)}{where} {_UNKNOWN}")
     for hook_id, fn in stash.hooks["forward"]:
@@ -188,16 +190,18 @@ def capture_time_hooks(stash: HookStash, name: str = "") -> Optional[dict[str, d
             raise CudaGraphHookError(f"forward hook {_describe(fn)}{where} {_UNKNOWN}")
     for kind in ("backward_pre", "backward"):
         for _, fn in stash.hooks[kind]:
-            raise CudaGraphHookError(f"module {kind.replace('_', '-')} hook {_describe(fn)}{where} {_UNKNOWN}")
+            raise CudaGraphHookError(
+                f"module {kind.replace('_', '-')} hook {_describe(fn)}{where} {_UNKNOWN}"
+            )
     if not any(te.values()):
         return None
     return te
 
 
 _UNKNOWN = (
-    "was not registered by Megatron-FSDP: TransformerEngine's per-layer graph capture runs "
-    "hooks as hook(module) outside the graph and cannot run this one correctly. Remove it "
-    "before training, or use --cuda-graph-impl none."
+    "was not registered by Megatron-FSDP: TransformerEngine's per-layer graph capture runs hooks "
+    "as hook(module) outside the graph and cannot run this one correctly. Remove it before "
+    "training, or use --cuda-graph-impl none."
 )
 
 
@@ -213,10 +217,11 @@ def check_no_hooks_inside(module: torch.nn.Module, name: str = "") -> None:
             for fn in getattr(sub, attr).values():
                 if fsdp_hooks.local_name(fn) is not None:
                     raise CudaGraphHookError(
-                        f"Megatron-FSDP hook {fsdp_hooks.local_name(fn)} on {name}.{sub_name}, inside a layer "
-                        f"graphed by TransformerEngine: it would run during capture and never at replay. "
-                        f"Per-layer graphs need FSDP units of whole layers (--data-parallel-sharding-strategy "
-                        f"optim_grads_params, no fine-grained parameter gather, no pipeline parallelism)."
+                        f"Megatron-FSDP hook {fsdp_hooks.local_name(fn)} on {name}.{sub_name}, "
+                        "inside a layer graphed by TransformerEngine: it would run during capture "
+                        "and never at replay. Per-layer graphs need FSDP units of whole layers "
+                        "(--data-parallel-sharding-strategy optim_grads_params, no fine-grained "
+                        "parameter gather, no pipeline parallelism)."
                     )
 
 
@@ -246,8 +251,9 @@ def _graphed_step_with_hooks(module: torch.nn.Module, step: Callable, args: tupl
 @patch(
     "cuda_graphs.hooks_fire_on_graphed_call",
     "megatron.core.transformer.module.GraphableMegatronModule.__call__",
-    reason="on the TE graph path __call__ calls capture/replay directly, so the layer's module hooks "
-    "(Megatron-FSDP's unshard/reshard/backward hooks) never run: go through nn.Module.__call__",
+    reason="on the TE graph path __call__ calls capture/replay directly, so the layer's module "
+    "hooks (Megatron-FSDP's unshard/reshard/backward hooks) never run: go through "
+    "nn.Module.__call__",
 )
 def _call(original):
     from megatron.core.transformer.module import GraphableMegatronModule
@@ -304,7 +310,9 @@ def _static_inputs(original):
         dtype = getattr(self.config, "params_dtype", None) or torch.bfloat16
         hidden = inputs.get("hidden_states")
         if hidden is not None and hidden.dtype != dtype:
-            inputs["hidden_states"] = torch.ones_like(hidden, dtype=dtype).requires_grad_(hidden.requires_grad)
+            inputs["hidden_states"] = torch.ones_like(hidden, dtype=dtype).requires_grad_(
+                hidden.requires_grad
+            )
         return inputs
 
     return get_layer_static_inputs
@@ -326,7 +334,10 @@ def check_capture_config(model_chunks: list, config: Any) -> None:
             flag
             for flag, ok in (
                 ("--fsdp-double-buffer", getattr(ddp, "fsdp_double_buffer", False)),
-                ("--fsdp-db-use-persist-buf-on-alloc-fail", getattr(ddp, "fsdp_db_use_persist_buf_on_alloc_fail", False)),
+                (
+                    "--fsdp-db-use-persist-buf-on-alloc-fail",
+                    getattr(ddp, "fsdp_db_use_persist_buf_on_alloc_fail", False),
+                ),
                 (
                     "--data-parallel-sharding-strategy optim_grads_params",
                     getattr(ddp, "data_parallel_sharding_strategy", None) == "optim_grads_params",
@@ -343,16 +354,17 @@ def check_capture_config(model_chunks: list, config: Any) -> None:
         if getattr(config, "gradient_accumulation_fusion", False):
             raise CudaGraphHookError(
                 "TransformerEngine per-layer CUDA graphs with Megatron-FSDP need "
-                "--no-gradient-accumulation-fusion (fused wgrad would allocate FSDP grad buckets inside the capture)"
+                "--no-gradient-accumulation-fusion (fused wgrad would allocate FSDP grad buckets "
+                "inside the capture)"
             )
 
 
 @patch(
     "cuda_graphs.fsdp_capture_helper",
     "megatron.training.training.TECudaGraphHelper",
-    reason="make_graphed_callables gets layers with Megatron-FSDP's hooks on and DTensor params: take the "
-    "hooks off, pass FSDP's inner handlers as TE capture_time_hooks, capture with raw params, restore "
-    "(FSDPCudaGraphHelper, a subclass)",
+    reason="make_graphed_callables gets layers with Megatron-FSDP's hooks on and DTensor params: "
+    "take the hooks off, pass FSDP's inner handlers as TE capture_time_hooks, capture with raw "
+    "params, restore (FSDPCudaGraphHelper, a subclass)",
 )
 def _helper_class(original):
     """The training loop's ``TECudaGraphHelper`` becomes :class:`FSDPCudaGraphHelper`."""
@@ -361,20 +373,24 @@ def _helper_class(original):
         """TE per-layer graph capture for Megatron-FSDP models (see the module docstring)."""
 
         _patchset_stashes: list = []
-        _patchset_capture_time_hooks: Optional[list] = None
+        _patchset_capture_time_hooks: list | None = None
 
         def create_cudagraphs(self):
             if not self.flattened_callables:
                 return super().create_cudagraphs()
             check_capture_config(self.model, self.config)
-            names = [f"layer {getattr(c, 'layer_number', i)}" for i, c in enumerate(self.flattened_callables)]
+            names = [
+                f"layer {getattr(c, 'layer_number', i)}"
+                for i, c in enumerate(self.flattened_callables)
+            ]
             for callable_, name in zip(self.flattened_callables, names):
                 check_no_hooks_inside(callable_, name)
             with fsdp_hooks.raw_parameters(self.model):
                 self._patchset_stashes = [take_off_hooks(c) for c in self.flattened_callables]
                 try:
                     self._patchset_capture_time_hooks = [
-                        capture_time_hooks(stash, name) for stash, name in zip(self._patchset_stashes, names)
+                        capture_time_hooks(stash, name)
+                        for stash, name in zip(self._patchset_stashes, names)
                     ]
                     _log_capture(self._patchset_stashes, self._patchset_capture_time_hooks)
                     return super().create_cudagraphs()
@@ -388,7 +404,9 @@ def _helper_class(original):
             hooks = self._patchset_capture_time_hooks
             if hooks is not None and any(h is not None for h in hooks):
                 if "capture_time_hooks" in kwargs:
-                    raise CudaGraphHookError("megatron-core already passes capture_time_hooks; the fork's patch is stale")
+                    raise CudaGraphHookError(
+                        "megatron-core already passes capture_time_hooks; the fork's patch is stale"
+                    )
                 kwargs["capture_time_hooks"] = list(hooks)
             return sample_args, kwargs
 
@@ -408,12 +426,14 @@ def _helper_class(original):
 
 def _log_capture(stashes: list, te_hooks: list) -> None:
     """One line on rank 0: how many hooks were taken off and what TE runs at capture."""
-    per_key = {key: sum(len((entry or {}).get(key, {})) for entry in te_hooks) for key in TE_HOOK_KEYS}
+    per_key = {
+        key: sum(len((entry or {}).get(key, {})) for entry in te_hooks) for key in TE_HOOK_KEYS
+    }
     taken = sum(stash.count() for stash in stashes)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(
-            f"megatron-patchset: CUDA graph capture with Megatron-FSDP: {taken} module hooks taken off "
-            f"{len(stashes)} layers for capture; TE runs at capture "
+            f"megatron-patchset: CUDA graph capture with Megatron-FSDP: {taken} module hooks taken "
+            f"off {len(stashes)} layers for capture; TE runs at capture "
             + ", ".join(f"{n} {key}" for key, n in per_key.items())
             + "; the hooks are restored after capture",
             flush=True,

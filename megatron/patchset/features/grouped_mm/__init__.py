@@ -11,7 +11,6 @@ from megatron.patchset.core.features import Feature
 from megatron.patchset.features.grouped_mm import flags
 
 
-
 def _in_use(args) -> list[str]:
     return [f"{flags.FLAG} torch"] + ([flags.SPLITS_FLAG] if flags.splits_on_device(args) else [])
 
@@ -21,7 +20,8 @@ FEATURE = Feature(
     title="Experts as torch grouped GEMMs; full-iteration graphs of a dropless MoE step",
     switches=(f"{flags.FLAG} torch",),
     enabled=flags.requested,
-    upstream_pr="fork-only (megatron-core 0.19.2 uses torch grouped_mm for inference only: InferenceGroupedMLP)",
+    upstream_pr="fork-only (megatron-core 0.19.2 uses torch grouped_mm for inference only: "
+    "InferenceGroupedMLP)",
     status="not yet verified on 2 GPUs",
     modules=(f"{__name__}.rules", f"{__name__}.linears", f"{__name__}.device_splits"),
     flags=(flags.FLAG, flags.SPLITS_FLAG),

@@ -14,17 +14,18 @@ from megatron.patchset.core.registry import patch
 from megatron.patchset.features.grouped_mm.flags import FLAG, SPLITS_FLAG, splits_on_device
 from megatron.patchset.features.grouped_mm.linears import DeviceSplits, GroupedMMForward
 
-
 _TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 _EXPERTS = "megatron.core.transformer.moe.experts"
 _SPLITS_UPSTREAM_PR = (
-    "fork-only (megatron-core 0.19.2 always copies the token counts to the host for TE's grouped linear)"
+    "fork-only (megatron-core 0.19.2 always copies the token counts to the host for TE's grouped "
+    "linear)"
 )
 _SPLITS_REASON = (
-    "with one expert-parallel and expert-tensor-parallel rank the all-to-all dispatcher copies the "
-    "per-expert token counts to the host and waits for the copy only so that TE's grouped linear can "
-    "split its input on the host; the torch grouped_mm takes them on the device, so the MoE layer runs "
-    "without a host synchronisation and a full-iteration CUDA graph can capture it"
+    "with one expert-parallel and expert-tensor-parallel rank the all-to-all dispatcher copies "
+    "the per-expert token counts to the host and waits for the copy only so that TE's grouped "
+    "linear can split its input on the host; the torch grouped_mm takes them on the device, so "
+    "the MoE layer runs without a host synchronisation and a full-iteration CUDA graph can "
+    "capture it"
 )
 
 
@@ -33,9 +34,15 @@ def host_splits_needed(dispatcher) -> list[str]:
     config = dispatcher.config
     needs = []
     if dispatcher.ep_size != 1:
-        needs.append(f"expert parallelism ({dispatcher.ep_size} ranks: the all-to-all takes host split sizes)")
+        needs.append(
+            f"expert parallelism ({dispatcher.ep_size} ranks: the all-to-all takes host split "
+            "sizes)"
+        )
     if dispatcher.tp_size != 1:
-        needs.append(f"expert tensor parallelism ({dispatcher.tp_size} ranks: the all-gather takes host split sizes)")
+        needs.append(
+            f"expert tensor parallelism ({dispatcher.tp_size} ranks: the all-gather takes host "
+            "split sizes)"
+        )
     if config.moe_expert_capacity_factor is not None or config.moe_router_padding_for_quantization:
         needs.append("token dropping or padding (the permuted token count is dynamic)")
     if dispatcher.num_local_experts > 1 and not config.moe_permute_fusion:
@@ -54,8 +61,8 @@ def dispatcher_keeps_splits_on_device(original):
         needs = host_splits_needed(self)
         if needs:
             raise RuntimeError(
-                f"{SPLITS_FLAG}: this MoE layer's all-to-all dispatcher needs the per-expert token counts "
-                f"on the host for {'; '.join(needs)}. Drop {SPLITS_FLAG} for this layout."
+                f"{SPLITS_FLAG}: this MoE layer's all-to-all dispatcher needs the per-expert token "
+                f"counts on the host for {'; '.join(needs)}. Drop {SPLITS_FLAG} for this layout."
             )
         return tokens_per_expert
 
@@ -67,17 +74,25 @@ def grouped_mlp_takes_device_splits(original):
     :class:`DeviceSplits` (upstream calls ``.tolist()`` on it, a device-to-host copy and sync)."""
 
     @functools.wraps(original)
-    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
+    def forward(
+        self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs
+    ):
         import torch
 
         if isinstance(tokens_per_expert, torch.Tensor):
-            if not isinstance(self.linear_fc1, GroupedMMForward) or getattr(self, "_with_fused_impl", False):
+            fused = getattr(self, "_with_fused_impl", False)
+            if not isinstance(self.linear_fc1, GroupedMMForward) or fused:
+                runs = type(self.linear_fc1).__name__ + (
+                    " through the TE op fuser" if fused else ""
+                )
                 raise RuntimeError(
-                    f"{SPLITS_FLAG} needs the experts' linears of {FLAG} torch; this TEGroupedMLP runs "
-                    f"{type(self.linear_fc1).__name__}{' through the TE op fuser' if getattr(self, '_with_fused_impl', False) else ''}"
+                    f"{SPLITS_FLAG} needs the experts' linears of {FLAG} torch; this TEGroupedMLP "
+                    f"runs {runs}"
                 )
             tokens_per_expert = DeviceSplits(tokens_per_expert)
-        return original(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
+        return original(
+            self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs
+        )
 
     return forward
 
@@ -94,8 +109,9 @@ patch(
 patch(
     "experts.splits_on_device_grouped_mlp",
     f"{_EXPERTS}.TEGroupedMLP.forward",
-    reason="TEGroupedMLP.forward turns the token counts into a host list (.tolist(): a device-to-host "
-    "copy and sync); hand them to the torch grouped_mm linears on the device instead",
+    reason="TEGroupedMLP.forward turns the token counts into a host list (.tolist(): a "
+    "device-to-host copy and sync); hand them to the torch grouped_mm linears on the device "
+    "instead",
     upstream_pr=_SPLITS_UPSTREAM_PR,
     flags=(SPLITS_FLAG,),
     enabled=splits_on_device,

@@ -26,19 +26,20 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         FLAG,
         choices=IMPLS,
         default=DEFAULT_IMPL,
-        help="GEMMs of the grouped MoE experts (--moe-grouped-gemm with the TransformerEngine spec). "
-        "te: TransformerEngine's GroupedLinear (on Hopper one cuBLAS GEMM per expert). torch: "
-        "forward, data and weight gradient as one torch grouped_mm call each (CUTLASS, SM90, bf16), "
-        "with the per-expert offsets on the device; TE's parameters and checkpoint format are kept.",
+        help="GEMMs of the grouped MoE experts (--moe-grouped-gemm with the TransformerEngine "
+        "spec). te: TransformerEngine's GroupedLinear (on Hopper one cuBLAS GEMM per expert). "
+        "torch: forward, data and weight gradient as one torch grouped_mm call each (CUTLASS, "
+        "SM90, bf16), with the per-expert offsets on the device; TE's parameters and checkpoint "
+        "format are kept.",
     )
     group.add_argument(
         SPLITS_FLAG,
         action="store_true",
         default=False,
-        help="Keep the per-expert token counts on the GPU: the all-to-all dispatcher neither copies "
-        "them to the host nor waits for them, and the experts' grouped GEMMs read them there, so a "
-        "dropless MoE layer runs without a host synchronisation and --cuda-graph-impl full_iteration "
-        "can capture the whole forward and backward. Needs --moe-grouped-gemm-impl torch, the alltoall "
-        "dispatcher with --moe-permute-fusion, one expert-parallel and expert-tensor-parallel rank, "
-        "and no token dropping.",
+        help="Keep the per-expert token counts on the GPU: the all-to-all dispatcher neither "
+        "copies them to the host nor waits for them, and the experts' grouped GEMMs read them "
+        "there, so a dropless MoE layer runs without a host synchronisation and --cuda-graph-impl "
+        "full_iteration can capture the whole forward and backward. Needs --moe-grouped-gemm-impl "
+        "torch, the alltoall dispatcher with --moe-permute-fusion, one expert-parallel and "
+        "expert-tensor-parallel rank, and no token dropping.",
     )

@@ -23,8 +23,10 @@ The GEMMs (per linear, ``W_e`` of shape ``(out, in)``, rows of ``x`` grouped by 
 * data gradient ``dx = grouped_mm(dy, stack(W), offs)``;
 * weight gradient ``dW = grouped_mm(dy.T, x, offs)``, shape ``(experts, out, in)``. For weights
   that megatron's DDP manages (they carry ``main_grad`` and ``grad_added_to_main_grad``) it goes
-  straight into each ``main_grad`` (one add over the layer's experts where DDP's buffer holds their main
-  grads back to back -- one add per expert while a CUDA graph is captured, which saves a reversed copy
+  straight into each ``main_grad`` (one add over the layer's experts where DDP's buffer holds their
+  main
+  grads back to back -- one add per expert while a CUDA graph is captured, which saves a reversed
+  copy
   of the gradient -- else one ``_foreach_add_``; fp32 from the GEMM where the device
   supports it) under the contract TE uses for its fused accumulation: ``overwrite_main_grad``
   copies instead of adding, ``grad_added_to_main_grad`` is set and a dummy gradient is returned so
@@ -36,7 +38,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.core.registry import patch
@@ -45,8 +48,8 @@ from megatron.patchset.features.grouped_mm.flags import ALIGNMENT, FLAG
 _SPEC_PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
 _REASON = (
     "TE 2.20 runs a grouped linear as one cuBLAS GEMM per expert on Hopper (host-bound at small "
-    "micro-batches); run forward, dgrad and wgrad as one torch grouped_mm each, with the offsets on "
-    "the device"
+    "micro-batches); run forward, dgrad and wgrad as one torch grouped_mm each, with the offsets "
+    "on the device"
 )
 
 
@@ -62,7 +65,7 @@ class DeviceSplits:
     def __init__(self, counts):
         self.counts = counts
 
-    def tolist(self) -> "DeviceSplits":
+    def tolist(self) -> DeviceSplits:
         return self
 
     def __len__(self) -> int:
@@ -101,7 +104,9 @@ def group_offsets(m_splits: Any, device: Any):
     cached = _offsets_cache.get(device)
     if cached is not None and cached[0] == key:
         return cached[1]
-    offs = torch.tensor(list(itertools.accumulate(key)), dtype=torch.int32).to(device, non_blocking=True)
+    offs = torch.tensor(list(itertools.accumulate(key)), dtype=torch.int32).to(
+        device, non_blocking=True
+    )
     _offsets_cache[device] = (key, offs)
     return offs
 
@@ -128,8 +133,9 @@ def _wgrad_out_dtype(main_grad_dtype, device):
     if supported is None:
         if capturing(device):
             raise RuntimeError(
-                f"{FLAG} torch: the first backward runs inside a CUDA graph capture, where the grouped GEMM's "
-                "fp32-output probe cannot run; capture after at least one eager step (--cuda-graph-warmup-steps 1 or more)"
+                f"{FLAG} torch: the first backward runs inside a CUDA graph capture, where the "
+                "grouped GEMM's fp32-output probe cannot run; capture after at least one eager "
+                "step (--cuda-graph-warmup-steps 1 or more)"
             )
         a = torch.zeros(2 * ALIGNMENT, 2 * ALIGNMENT, dtype=torch.bfloat16, device=device)
         offs = torch.tensor([ALIGNMENT, 2 * ALIGNMENT], dtype=torch.int32, device=device)
@@ -172,18 +178,20 @@ def _main_grad(weight):
     return main_grad
 
 
-
-
 def stacked_view(tensors: Sequence):
-    """``(view, descending)``: the equally shaped, contiguous ``tensors`` as one ``(n, *shape)`` view
-    when they lie back to back in one storage -- megatron's DDP places a layer's expert weights and
-    their main grads so, in reverse order -- with whether they lie in descending order (then
+    """``(view, descending)``: the equally shaped, contiguous ``tensors`` as one ``(n, *shape)``
+    view when they lie back to back in one storage -- megatron's DDP places a layer's expert weights
+    and their main grads so, in reverse order -- with whether they lie in descending order (then
     ``view[i]`` is ``tensors[n - 1 - i]``); None when they do not."""
     first, n = tensors[0], len(tensors)
     storage = first.untyped_storage().data_ptr()
     for t in tensors:
-        if (t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
-                or t.untyped_storage().data_ptr() != storage):
+        if (
+            t.shape != first.shape
+            or t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+        ):
             return None
     step = first.numel()
     offsets = [t.storage_offset() for t in tensors]
@@ -212,13 +220,17 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
         if overwrite:
             torch._foreach_zero_(main_grads)
     else:
-        dw = F.grouped_mm(dy.t(), x, offs=offs, out_dtype=_wgrad_out_dtype(main_grads[0].dtype, dy.device))
+        dw = F.grouped_mm(
+            dy.t(), x, offs=offs, out_dtype=_wgrad_out_dtype(main_grads[0].dtype, dy.device)
+        )
         stacked = stacked_view(main_grads)
         if stacked is not None:
             view, descending = stacked
             if descending and capturing(dw.device):
-                # Inside a CUDA graph the host cost of a launch is gone at replay (a kernel node costs
-                # about a microsecond): an add per expert (bf16 promoted to fp32 on the fly) saves the
+                # Inside a CUDA graph the host cost of a launch is gone at replay (a kernel node
+                # costs
+                # about a microsecond): an add per expert (bf16 promoted to fp32 on the fly) saves
+                # the
                 # reversed copy of dw that the one add needs.
                 for main_grad, part in zip(main_grads, dw.unbind(0)):
                     main_grad.copy_(part) if overwrite else main_grad.add_(part)
@@ -226,10 +238,13 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
                 source = dw.flip(0) if descending else dw
                 view.copy_(source) if overwrite else view.add_(source)
         else:
-            # The foreach kernels take one dtype: with a bf16 dw and fp32 main grads they fall back to a
+            # The foreach kernels take one dtype: with a bf16 dw and fp32 main grads they fall back
+            # to a
             # launch per expert. One cast keeps them on the multi-tensor path.
             parts = list(dw.to(main_grads[0].dtype).unbind(0))
-            torch._foreach_copy_(main_grads, parts) if overwrite else torch._foreach_add_(main_grads, parts)
+            torch._foreach_copy_(main_grads, parts) if overwrite else torch._foreach_add_(
+                main_grads, parts
+            )
     grads = []
     for weight in weights:
         if hasattr(weight, "grad_added_to_main_grad"):
@@ -246,7 +261,8 @@ def _grouped_mm_function():
     import torch.nn.functional as F
 
     class GroupedMM(torch.autograd.Function):
-        """``y[rows of e] = x[rows of e] @ W_e.T`` for every expert ``e``; see the module docstring."""
+        """``y[rows of e] = x[rows of e] @ W_e.T`` for every expert ``e``; see the module
+        docstring."""
 
         @staticmethod
         def forward(ctx, x, offs, fuse_accumulation, *weights):
@@ -264,7 +280,11 @@ def _grouped_mm_function():
             dy = dy.contiguous()
             dx = None
             if ctx.needs_input_grad[0]:
-                dx = F.grouped_mm(dy, torch.stack(weights), offs=offs) if x.shape[0] else torch.zeros_like(x)
+                dx = (
+                    F.grouped_mm(dy, torch.stack(weights), offs=offs)
+                    if x.shape[0]
+                    else torch.zeros_like(x)
+                )
             wgrads = [None] * len(weights)
             if any(ctx.needs_input_grad[3:]):
                 wgrads = weight_gradients(dy, x, offs, weights, ctx.fuse_accumulation)
@@ -278,7 +298,9 @@ def grouped_mm(x, m_splits, weights: Sequence, fuse_accumulation: bool = False):
     """The grouped linear ``x -> [x_e @ W_e.T]_e`` with rows grouped by ``m_splits``."""
     if not x.is_contiguous():
         x = x.contiguous()
-    return _grouped_mm_function().apply(x, group_offsets(m_splits, x.device), fuse_accumulation, *weights)
+    return _grouped_mm_function().apply(
+        x, group_offsets(m_splits, x.device), fuse_accumulation, *weights
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,9 +309,10 @@ def grouped_mm(x, m_splits, weights: Sequence, fuse_accumulation: bool = False):
 
 
 class GroupedMMForward:
-    """Mixin placed before megatron's TE grouped linear: its ``forward(x, m_splits)`` runs the
-    three GEMMs through :func:`grouped_mm` on the module's own ``weight{i}`` parameters and returns
-    ``(output, None)`` like megatron's wrapper without a bias (the validation rule refuses biases)."""
+    """Mixin placed before megatron's TE grouped linear: its ``forward(x, m_splits)`` runs the three
+    GEMMs through :func:`grouped_mm` on the module's own ``weight{i}`` parameters and returns
+    ``(output, None)`` like megatron's wrapper without a bias (the validation rule refuses
+    biases)."""
 
     def __init__(self, num_gemms, input_size, output_size, *args, **kwargs):
         super().__init__(num_gemms, input_size, output_size, *args, **kwargs)
@@ -299,9 +322,14 @@ class GroupedMMForward:
         import torch
 
         if x.dtype != torch.bfloat16:
-            raise RuntimeError(f"{FLAG} torch runs bf16 GEMMs; the experts got {x.dtype} inputs (train with --bf16)")
+            raise RuntimeError(
+                f"{FLAG} torch runs bf16 GEMMs; the experts got {x.dtype} inputs (train with "
+                "--bf16)"
+            )
         weights = [self._parameters[f"weight{i}"] for i in range(self.num_gemms)]
-        out = grouped_mm(x, m_splits, weights, fuse_accumulation=hasattr(weights[0], "grad_added_to_main_grad"))
+        out = grouped_mm(
+            x, m_splits, weights, fuse_accumulation=hasattr(weights[0], "grad_added_to_main_grad")
+        )
         self.is_first_microbatch = False
         return out, None
 
@@ -318,27 +346,39 @@ def _announce(name: str, num_gemms: int, input_size: int, output_size: int) -> N
     _announced.add(name)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(
-            f"megatron-patchset: experts' {name} runs forward, dgrad and wgrad as one torch grouped_mm "
-            f"each ({num_gemms} local experts, {input_size} -> {output_size} before tensor parallelism)",
+            f"megatron-patchset: experts' {name} runs forward, dgrad and wgrad as one torch "
+            f"grouped_mm each ({num_gemms} local experts, {input_size} -> {output_size} before "
+            "tensor parallelism)",
             flush=True,
         )
 
 
-def grouped_mm_linear(original: Optional[type], role: str) -> type:
+def grouped_mm_linear(original: type | None, role: str) -> type:
     """``original`` (megatron's TE column/row grouped linear) with :class:`GroupedMMForward`."""
     if original is None:
         raise PatchsetError(
             f"{FLAG} torch replaces megatron's TE{role}ParallelGroupedLinear, which is None here: "
-            "TransformerEngine is not installed (the experts need --transformer-impl transformer_engine)"
+            "TransformerEngine is not installed (the experts need --transformer-impl "
+            "transformer_engine)"
         )
-    return type(f"GroupedMM{role}ParallelGroupedLinear", (GroupedMMForward, original), {
-        "__module__": __name__,
-        "__doc__": f"megatron's TE{role}ParallelGroupedLinear with its GEMMs as torch grouped_mm calls.",
-    })
+    return type(
+        f"GroupedMM{role}ParallelGroupedLinear",
+        (GroupedMMForward, original),
+        {
+            "__module__": __name__,
+            "__doc__": f"megatron's TE{role}ParallelGroupedLinear with its GEMMs as torch "
+            "grouped_mm calls.",
+        },
+    )
 
 
 # The names TESpecProvider.grouped_mlp_modules looks up when it builds the experts' spec.
-for _linear, _name, _role in (("fc1", "TEColumnParallelGroupedLinear", "Column"),
-                              ("fc2", "TERowParallelGroupedLinear", "Row")):
-    patch(f"experts.grouped_mm_{_linear}", f"{_SPEC_PROVIDER}.{_name}", reason=f"{_REASON} ({_linear})")(
-        functools.partial(grouped_mm_linear, role=_role))
+for _linear, _name, _role in (
+    ("fc1", "TEColumnParallelGroupedLinear", "Column"),
+    ("fc2", "TERowParallelGroupedLinear", "Row"),
+):
+    patch(
+        f"experts.grouped_mm_{_linear}",
+        f"{_SPEC_PROVIDER}.{_name}",
+        reason=f"{_REASON} ({_linear})",
+    )(functools.partial(grouped_mm_linear, role=_role))

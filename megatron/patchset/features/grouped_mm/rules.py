@@ -3,31 +3,63 @@ CUDA graphs over a MoE model (which the two make possible)."""
 
 from __future__ import annotations
 
-from megatron.patchset.core.predicates import capacity_limited, etp, layer_graphs_capture, stash_or_budget
+from megatron.patchset.core.predicates import (
+    capacity_limited,
+    etp,
+    layer_graphs_capture,
+    stash_or_budget,
+)
 from megatron.patchset.core.rules import listed, rule
-from megatron.patchset.features.grouped_mm.flags import ALIGNMENT, FLAG, SPLITS_FLAG, requested, splits_on_device
+from megatron.patchset.features.grouped_mm.flags import (
+    ALIGNMENT,
+    FLAG,
+    SPLITS_FLAG,
+    requested,
+    splits_on_device,
+)
 
 
 @rule(
     "moe-grouped-gemm-impl-torch-requirements",
     phase="layout",
-    flags=(FLAG, "--num-experts", "--moe-grouped-gemm", "--transformer-impl", "--bf16", "--fp8-format",
-           "--fp4-format", "--disable-bias-linear", "--delay-wgrad-compute",
-           "--overlap-dispatch-backward-with-experts-wgrad", "--use-transformer-engine-op-fuser",
-           "--moe-single-grouped-weight", "--use-megatron-fsdp", "--use-torch-fsdp2", "--cuda-graph-impl",
-           "--cuda-graph-modules", "--cuda-graph-warmup-steps", SPLITS_FLAG),
+    flags=(
+        FLAG,
+        "--num-experts",
+        "--moe-grouped-gemm",
+        "--transformer-impl",
+        "--bf16",
+        "--fp8-format",
+        "--fp4-format",
+        "--disable-bias-linear",
+        "--delay-wgrad-compute",
+        "--overlap-dispatch-backward-with-experts-wgrad",
+        "--use-transformer-engine-op-fuser",
+        "--moe-single-grouped-weight",
+        "--use-megatron-fsdp",
+        "--use-torch-fsdp2",
+        "--cuda-graph-impl",
+        "--cuda-graph-modules",
+        "--cuda-graph-warmup-steps",
+        SPLITS_FLAG,
+    ),
 )
 def _grouped_gemm_impl_torch(args):
-    """What the torch grouped GEMM replaces (TE's per-linear forward) and what it does not implement."""
+    """What the torch grouped GEMM replaces (TE's per-linear forward) and what it does not
+    implement."""
     if not requested(args):
         return None
     problems = []
     if not args.num_experts:
         problems.append("an MoE model (--num-experts)")
     if not args.moe_grouped_gemm:
-        problems.append("--moe-grouped-gemm (without it the experts are a SequentialMLP, not grouped linears)")
+        problems.append(
+            "--moe-grouped-gemm (without it the experts are a SequentialMLP, not grouped linears)"
+        )
     if args.transformer_impl != "transformer_engine":
-        problems.append(f"--transformer-impl transformer_engine (it replaces TE's grouped linears; got {args.transformer_impl})")
+        problems.append(
+            "--transformer-impl transformer_engine (it replaces TE's grouped linears; got "
+            f"{args.transformer_impl})"
+        )
     if not args.bf16:
         problems.append("--bf16 (the grouped GEMM kernels take bf16)")
     if args.fp8 or getattr(args, "fp4", None):
@@ -36,15 +68,22 @@ def _grouped_gemm_impl_torch(args):
         problems.append("--disable-bias-linear (expert biases are not implemented)")
     if args.delay_wgrad_compute or args.overlap_dispatch_backward_with_experts_wgrad:
         problems.append(
-            "no --delay-wgrad-compute / --overlap-dispatch-backward-with-experts-wgrad (the deferred weight "
-            "gradient is TE's; these GEMMs compute it in backward)"
+            "no --delay-wgrad-compute / --overlap-dispatch-backward-with-experts-wgrad (the "
+            "deferred weight gradient is TE's; these GEMMs compute it in backward)"
         )
     if args.use_transformer_engine_op_fuser:
-        problems.append("no --use-transformer-engine-op-fuser (its fused grouped MLP bypasses these linears)")
+        problems.append(
+            "no --use-transformer-engine-op-fuser (its fused grouped MLP bypasses these linears)"
+        )
     if getattr(args, "moe_single_grouped_weight", False):
-        problems.append("no --moe-single-grouped-weight (the GEMMs read the per-expert weight0..weightN)")
+        problems.append(
+            "no --moe-single-grouped-weight (the GEMMs read the per-expert weight0..weightN)"
+        )
     if args.use_megatron_fsdp or getattr(args, "use_torch_fsdp2", False):
-        problems.append("no --use-megatron-fsdp / --use-torch-fsdp2 (sharded expert weights are not tested with it)")
+        problems.append(
+            "no --use-megatron-fsdp / --use-torch-fsdp2 (sharded expert weights are not tested "
+            "with it)"
+        )
     if args.cuda_graph_impl == "full_iteration" and not splits_on_device(args):
         problems.append(
             f"{SPLITS_FLAG} for --cuda-graph-impl full_iteration (without it the per-expert token "
@@ -52,14 +91,16 @@ def _grouped_gemm_impl_torch(args):
         )
     if args.cuda_graph_impl == "full_iteration" and (args.cuda_graph_warmup_steps or 0) < 1:
         problems.append(
-            f"--cuda-graph-warmup-steps 1 or more with --cuda-graph-impl full_iteration (got "
-            f"{args.cuda_graph_warmup_steps}: the first backward probes the grouped GEMM, which a capture cannot run)"
+            "--cuda-graph-warmup-steps 1 or more with --cuda-graph-impl full_iteration (got "
+            f"{args.cuda_graph_warmup_steps}: the first backward probes the grouped GEMM, which a "
+            "capture cannot run)"
         )
     if layer_graphs_capture(args, {"moe"}):
         problems.append(
-            "per-layer CUDA graphs that leave the experts out (--cuda-graph-modules attn moe_router "
-            "moe_preprocess): megatron captures the MoE layer per layer only with drop-and-pad; to capture "
-            f"the experts too use {SPLITS_FLAG} with --cuda-graph-impl full_iteration"
+            "per-layer CUDA graphs that leave the experts out (--cuda-graph-modules attn "
+            "moe_router moe_preprocess): megatron captures the MoE layer per layer only with "
+            f"drop-and-pad; to capture the experts too use {SPLITS_FLAG} with --cuda-graph-impl "
+            "full_iteration"
         )
     return listed(f"{FLAG} torch needs: ", problems)
 
@@ -67,8 +108,13 @@ def _grouped_gemm_impl_torch(args):
 @rule(
     "moe-grouped-gemm-impl-torch-alignment",
     phase="layout",
-    flags=(FLAG, "--hidden-size", "--moe-latent-size", "--moe-ffn-hidden-size",
-           "--expert-tensor-parallel-size"),
+    flags=(
+        FLAG,
+        "--hidden-size",
+        "--moe-latent-size",
+        "--moe-ffn-hidden-size",
+        "--expert-tensor-parallel-size",
+    ),
 )
 def _grouped_gemm_impl_torch_alignment(args):
     """Rows of every GEMM operand must start on 16-byte boundaries: bf16 widths a multiple of 8."""
@@ -76,15 +122,18 @@ def _grouped_gemm_impl_torch_alignment(args):
         return None
     etp_size = etp(args)
     widths = {
-        "--moe-latent-size" if args.moe_latent_size else "--hidden-size": args.moe_latent_size or args.hidden_size,
-        f"--moe-ffn-hidden-size / expert tensor parallel size {etp_size}":
-            (args.moe_ffn_hidden_size or args.ffn_hidden_size) // etp_size,
+        "--moe-latent-size" if args.moe_latent_size else "--hidden-size": args.moe_latent_size
+        or args.hidden_size,
+        f"--moe-ffn-hidden-size / expert tensor parallel size {etp_size}": (
+            args.moe_ffn_hidden_size or args.ffn_hidden_size
+        )
+        // etp_size,
     }
     bad = [f"{name} = {value}" for name, value in widths.items() if value % ALIGNMENT]
     if bad:
         return (
-            f"{FLAG} torch: the expert GEMM widths must be multiples of {ALIGNMENT} "
-            f"(16-byte rows in bf16): {', '.join(bad)}. Use {FLAG} te."
+            f"{FLAG} torch: the expert GEMM widths must be multiples of {ALIGNMENT} (16-byte rows "
+            f"in bf16): {', '.join(bad)}. Use {FLAG} te."
         )
     return None
 
@@ -92,14 +141,26 @@ def _grouped_gemm_impl_torch_alignment(args):
 @rule(
     "moe-expert-splits-on-device-requirements",
     phase="layout",
-    flags=(SPLITS_FLAG, FLAG, "--num-experts", "--moe-token-dispatcher-type",
-           "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--tensor-model-parallel-size",
-           "--moe-expert-capacity-factor", "--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8",
-           "--moe-permute-fusion", "--cuda-graph-impl", "--cuda-graph-modules"),
+    flags=(
+        SPLITS_FLAG,
+        FLAG,
+        "--num-experts",
+        "--moe-token-dispatcher-type",
+        "--expert-model-parallel-size",
+        "--expert-tensor-parallel-size",
+        "--tensor-model-parallel-size",
+        "--moe-expert-capacity-factor",
+        "--moe-router-padding-for-quantization",
+        "--moe-router-padding-for-fp8",
+        "--moe-permute-fusion",
+        "--cuda-graph-impl",
+        "--cuda-graph-modules",
+    ),
 )
 def _expert_splits_on_device(args):
-    """The token counts can stay on the device only where nothing on the host needs them: no all-to-all
-    or all-gather with host split sizes, a static permuted token count, and the fused chunk sort
+    """The token counts can stay on the device only where nothing on the host needs them: no
+    all-to-all or all-gather with host split sizes, a static permuted token count, and the fused
+    chunk sort
     (the same conditions the dispatcher patch checks when a layer runs)."""
     if not splits_on_device(args):
         return None
@@ -109,24 +170,38 @@ def _expert_splits_on_device(args):
     if not args.num_experts:
         problems.append("an MoE model (--num-experts)")
     if args.moe_token_dispatcher_type != "alltoall":
-        problems.append(f"--moe-token-dispatcher-type alltoall (got {args.moe_token_dispatcher_type})")
+        problems.append(
+            f"--moe-token-dispatcher-type alltoall (got {args.moe_token_dispatcher_type})"
+        )
     if args.expert_model_parallel_size != 1:
         problems.append(
-            f"--expert-model-parallel-size 1 (got {args.expert_model_parallel_size}: the all-to-all takes "
-            "its split sizes from the host)"
+            f"--expert-model-parallel-size 1 (got {args.expert_model_parallel_size}: the "
+            "all-to-all takes its split sizes from the host)"
         )
     if etp(args) != 1:
-        problems.append(f"expert tensor parallel size 1 (got {etp(args)}: the all-gather takes host split sizes)")
+        problems.append(
+            f"expert tensor parallel size 1 (got {etp(args)}: the all-gather takes host split "
+            "sizes)"
+        )
     if capacity_limited(args):
-        problems.append("no --moe-expert-capacity-factor (dropped tokens make the permuted token count dynamic)")
-    if getattr(args, "moe_router_padding_for_quantization", False) or getattr(args, "moe_router_padding_for_fp8", False):
-        problems.append("no --moe-router-padding-for-quantization (the padded token count is dynamic)")
+        problems.append(
+            "no --moe-expert-capacity-factor (dropped tokens make the permuted token count dynamic)"
+        )
+    if getattr(args, "moe_router_padding_for_quantization", False) or getattr(
+        args, "moe_router_padding_for_fp8", False
+    ):
+        problems.append(
+            "no --moe-router-padding-for-quantization (the padded token count is dynamic)"
+        )
     if not getattr(args, "moe_permute_fusion", False):
-        problems.append("--moe-permute-fusion (the unfused chunk sort splits its input on the host)")
+        problems.append(
+            "--moe-permute-fusion (the unfused chunk sort splits its input on the host)"
+        )
     if layer_graphs_capture(args, {"moe_router", "moe_preprocess", "moe", "mlp"}):
         problems.append(
-            "no per-layer CUDA graphs over the MoE router or preprocessing (megatron copies the graph's token "
-            "counts to the host after each replay anyway); use --cuda-graph-impl full_iteration or no graphs"
+            "no per-layer CUDA graphs over the MoE router or preprocessing (megatron copies the "
+            "graph's token counts to the host after each replay anyway); use --cuda-graph-impl "
+            "full_iteration or no graphs"
         )
     return listed(f"{SPLITS_FLAG} needs: ", problems)
 
@@ -143,9 +218,12 @@ def _full_iteration_graphs_timers(args):
     if args.cuda_graph_impl != "full_iteration" or (args.timing_log_level or 0) < 1:
         return None
     return (
-        f"--cuda-graph-impl full_iteration with --timing-log-level {args.timing_log_level}: megatron's "
-        "forward-backward timer (and the level-2 timers) synchronise the device inside the captured step, and "
-        "the capture fails (\"operation not permitted when stream is capturing\"). Use --timing-log-level 0; "
+        f"--cuda-graph-impl full_iteration with --timing-log-level {args.timing_log_level}: "
+        "megatron's "
+        "forward-backward timer (and the level-2 timers) synchronise the device inside the "
+        "captured step, and "
+        'the capture fails ("operation not permitted when stream is capturing"). Use '
+        "--timing-log-level 0; "
         "tools/bench.py --time-fwd-bwd times forward-backward around the graph."
     )
 
@@ -153,8 +231,14 @@ def _full_iteration_graphs_timers(args):
 @rule(
     "full-iteration-graphs-dropless-moe",
     phase="layout",
-    flags=("--cuda-graph-impl", "--num-experts", "--moe-expert-capacity-factor",
-           "--moe-pad-expert-input-to-capacity", "--moe-token-dispatcher-type", SPLITS_FLAG),
+    flags=(
+        "--cuda-graph-impl",
+        "--num-experts",
+        "--moe-expert-capacity-factor",
+        "--moe-pad-expert-input-to-capacity",
+        "--moe-token-dispatcher-type",
+        SPLITS_FLAG,
+    ),
 )
 def _full_iteration_graphs_dropless_moe(args):
     """Dropless MoE reads the per-expert token counts on the host inside the step (the all-to-all
@@ -170,14 +254,16 @@ def _full_iteration_graphs_dropless_moe(args):
         return None
     if padded:
         return (
-            f"--cuda-graph-impl full_iteration with the {args.moe_token_dispatcher_type} dispatcher: it reads "
-            "the token counts on the host inside the step even with drop-and-pad (the allgather dispatcher's "
-            ".cpu()/.item()), which the capture refuses. Use --moe-token-dispatcher-type alltoall."
+            f"--cuda-graph-impl full_iteration with the {args.moe_token_dispatcher_type} "
+            "dispatcher: it reads the token counts on the host inside the step even with "
+            "drop-and-pad (the allgather dispatcher's .cpu()/.item()), which the capture refuses. "
+            "Use --moe-token-dispatcher-type alltoall."
         )
     return (
-        "--cuda-graph-impl full_iteration with a dropless MoE: the dispatcher copies the per-expert token "
-        "counts to the host and waits for them inside the step (the experts split their input on the host), "
-        "which the capture refuses. With one expert-parallel rank use --moe-grouped-gemm-impl torch "
-        f"{SPLITS_FLAG} (the counts stay on the GPU); else use per-layer graphs "
-        "(--cuda-graph-impl transformer_engine --cuda-graph-modules attn moe_router moe_preprocess)."
+        "--cuda-graph-impl full_iteration with a dropless MoE: the dispatcher copies the "
+        "per-expert token counts to the host and waits for them inside the step (the experts "
+        "split their input on the host), which the capture refuses. With one expert-parallel rank "
+        f"use --moe-grouped-gemm-impl torch {SPLITS_FLAG} (the counts stay on the GPU); else use "
+        "per-layer graphs (--cuda-graph-impl transformer_engine --cuda-graph-modules attn "
+        "moe_router moe_preprocess)."
     )

@@ -25,4 +25,13 @@ FEATURE = Feature(
     status="stable",
 )
 
-__all__ = ["FEATURE", "OffloadError", "OffloadState", "is_offloaded", "offload", "offloaded", "reload", "storages"]
+__all__ = [
+    "FEATURE",
+    "OffloadError",
+    "OffloadState",
+    "is_offloaded",
+    "offload",
+    "offloaded",
+    "reload",
+    "storages",
+]

@@ -46,7 +46,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ class _Entry:
     nbytes: int
     keep: bool
     labels: list
-    host: Optional[torch.Tensor] = None
+    host: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -157,8 +158,13 @@ def _fsdp_groups(chunk: Any) -> list:
     return []
 
 
-_FSDP_KEEP = ("model_weight_buffer", "transpose_weight_buffer", "main_weight_buffer",
-              "hfsdp_helper_wbuf", "hfsdp_helper_wtbuf")
+_FSDP_KEEP = (
+    "model_weight_buffer",
+    "transpose_weight_buffer",
+    "main_weight_buffer",
+    "hfsdp_helper_wbuf",
+    "hfsdp_helper_wtbuf",
+)
 _FSDP_GRADS = ("main_grad_buffer", "hfsdp_helper_gbuf")
 
 
@@ -169,7 +175,9 @@ def _collect_model(collector: _Collector, chunk: Any, index: int, keep_grads: bo
                 "offload: a DDP buffer is allocated from an NCCL memory pool (--nccl-ub); its "
                 "registered storage cannot be released and restored"
             )
-        collector.add(getattr(buf, "param_data", None), True, f"chunk{index}.ddp_buffer{b}.param_data")
+        collector.add(
+            getattr(buf, "param_data", None), True, f"chunk{index}.ddp_buffer{b}.param_data"
+        )
         collector.add(buf.grad_data, keep_grads, f"chunk{index}.ddp_buffer{b}.grad_data")
         for g, extra in enumerate(getattr(buf, "extra_main_grads", None) or []):
             collector.add(extra, keep_grads, f"chunk{index}.ddp_buffer{b}.extra_main_grad{g}")
@@ -181,7 +189,9 @@ def _collect_model(collector: _Collector, chunk: Any, index: int, keep_grads: bo
             collector.add(data, keep, f"chunk{index}.fsdp_group{g}.{name}")
     module = chunk if isinstance(chunk, torch.nn.Module) else None
     if module is None:
-        raise OffloadError(f"offload: model chunk {index} is a {type(chunk).__name__}, not a torch module")
+        raise OffloadError(
+            f"offload: model chunk {index} is a {type(chunk).__name__}, not a torch module"
+        )
     for name, param in module.named_parameters():
         collector.add(param, True, f"chunk{index}.{name}")
         # main_grad is a plain attribute (megatron DDP) - read it without triggering properties.
@@ -235,7 +245,8 @@ def _synchronize(device: torch.device) -> None:
 
 def _refuse_forward(module, _inputs):
     raise OffloadError(
-        "this model is offloaded (megatron.patchset.features.offload): call reload(model, ...) before running it"
+        "this model is offloaded (megatron.patchset.features.offload): call reload(model, ...) "
+        "before running it"
     )
 
 
@@ -248,8 +259,15 @@ def is_offloaded(model: Any) -> bool:
     return any(getattr(chunk, _STATE_ATTR, None) is not None for chunk in _chunks(model))
 
 
-def offload(model: Any, optimizer: Any = None, include_optimizer: bool = False, *, keep_grads: bool = False,
-            pin_memory: Optional[bool] = None, empty_cache: bool = True) -> OffloadState:
+def offload(
+    model: Any,
+    optimizer: Any = None,
+    include_optimizer: bool = False,
+    *,
+    keep_grads: bool = False,
+    pin_memory: bool | None = None,
+    empty_cache: bool = True,
+) -> OffloadState:
     """Release the device memory of ``model``'s parameters and gradients (and, with
     ``include_optimizer``, of ``optimizer``'s parameters and state); parameters and optimizer state
     are copied to host memory first, gradients are discarded unless ``keep_grads``.
@@ -292,7 +310,7 @@ def offload(model: Any, optimizer: Any = None, include_optimizer: bool = False, 
     return state
 
 
-def reload(model: Any, optimizer: Any = None) -> Optional[OffloadState]:
+def reload(model: Any, optimizer: Any = None) -> OffloadState | None:
     """Restore what :func:`offload` released: the same storages, resized back and refilled
     (kept contents copied back, discarded gradients zeroed). Returns the state, or None (with a
     warning) when the model is not offloaded. ``optimizer`` is accepted for symmetry; what was
@@ -303,7 +321,9 @@ def reload(model: Any, optimizer: Any = None) -> Optional[OffloadState]:
         logger.warning("reload: the model is not offloaded; nothing to do")
         return None
     if len(states) > 1:
-        raise OffloadError("reload: the model chunks were offloaded separately; reload each of them")
+        raise OffloadError(
+            "reload: the model chunks were offloaded separately; reload each of them"
+        )
     (state,) = states.values()
     for entry in state.entries:
         entry.storage.resize_(entry.nbytes)
@@ -323,7 +343,9 @@ def reload(model: Any, optimizer: Any = None) -> Optional[OffloadState]:
 
 
 @contextlib.contextmanager
-def offloaded(model: Any, optimizer: Any = None, include_optimizer: bool = False, **kwargs) -> Iterator[OffloadState]:
+def offloaded(
+    model: Any, optimizer: Any = None, include_optimizer: bool = False, **kwargs
+) -> Iterator[OffloadState]:
     """``offload`` on entry, ``reload`` on exit (also when the body raises)."""
     state = offload(model, optimizer, include_optimizer, **kwargs)
     try:
@@ -332,8 +354,9 @@ def offloaded(model: Any, optimizer: Any = None, include_optimizer: bool = False
         reload(model, optimizer)
 
 
-def storages(model: Any, optimizer: Any = None, include_optimizer: bool = False,
-             keep_grads: bool = False) -> list[tuple[int, bool, list]]:
+def storages(
+    model: Any, optimizer: Any = None, include_optimizer: bool = False, keep_grads: bool = False
+) -> list[tuple[int, bool, list]]:
     """(bytes, kept, owners) of every storage :func:`offload` would release (for inspection)."""
     chunks = _chunks(model)
     collector = _Collector(_model_device(chunks))
@@ -344,4 +367,12 @@ def storages(model: Any, optimizer: Any = None, include_optimizer: bool = False,
     return [(e.nbytes, e.keep, list(e.labels)) for e in collector.entries.values()]
 
 
-__all__ = ["OffloadError", "OffloadState", "offload", "reload", "offloaded", "is_offloaded", "storages"]
+__all__ = [
+    "OffloadError",
+    "OffloadState",
+    "offload",
+    "reload",
+    "offloaded",
+    "is_offloaded",
+    "storages",
+]

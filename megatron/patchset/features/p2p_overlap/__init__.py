@@ -1,6 +1,7 @@
 """Delayed weight gradients overlapping the pipeline's backward P2P (docs/features/p2p_overlap.md).
 
-Three flags change megatron's fine-grained 1F1B schedule plan (``--overlap-moe-expert-parallel-comm``
+Three flags change megatron's fine-grained 1F1B schedule plan
+(``--overlap-moe-expert-parallel-comm``
 with ``--delay-wgrad-compute`` in an interleaved pipeline): the backward send/receive runs on the
 communication stream, and the last N backward layers of each model chunk defer their weight
 gradients past it.

@@ -31,9 +31,15 @@ class P2POverlapOptions:
 def options_from_config(config: Any) -> P2POverlapOptions:
     """The options stored on a TransformerConfig; upstream's behaviour for missing ones."""
     return P2POverlapOptions(
-        backward_on_comm_stream=bool(getattr(config, BACKWARD_ON_COMM_STREAM, DEFAULTS[BACKWARD_ON_COMM_STREAM])),
-        wgrad_delayed_layers=int(getattr(config, WGRAD_DELAYED_LAYERS, DEFAULTS[WGRAD_DELAYED_LAYERS])),
-        transformer_layer_wgrad=bool(getattr(config, TRANSFORMER_LAYER_WGRAD, DEFAULTS[TRANSFORMER_LAYER_WGRAD])),
+        backward_on_comm_stream=bool(
+            getattr(config, BACKWARD_ON_COMM_STREAM, DEFAULTS[BACKWARD_ON_COMM_STREAM])
+        ),
+        wgrad_delayed_layers=int(
+            getattr(config, WGRAD_DELAYED_LAYERS, DEFAULTS[WGRAD_DELAYED_LAYERS])
+        ),
+        transformer_layer_wgrad=bool(
+            getattr(config, TRANSFORMER_LAYER_WGRAD, DEFAULTS[TRANSFORMER_LAYER_WGRAD])
+        ),
     )
 
 
@@ -53,8 +59,8 @@ def set_p2p_overlap_options(
     number = overlap_p2p_wgrad_delayed_layer_number
     if isinstance(number, bool) or not isinstance(number, int) or number < 1:
         raise ValueError(
-            f"{WGRAD_DELAYED_LAYERS} must be an integer >= 1 (the number of backward layers "
-            f"whose weight gradients wait for the backward P2P), got {number!r}"
+            f"{WGRAD_DELAYED_LAYERS} must be an integer >= 1 (the number of backward layers whose "
+            f"weight gradients wait for the backward P2P), got {number!r}"
         )
     setattr(config, BACKWARD_ON_COMM_STREAM, bool(overlap_p2p_backward_on_comm_stream))
     setattr(config, WGRAD_DELAYED_LAYERS, number)
@@ -88,7 +94,9 @@ def chunk_layer_counts(config: Any) -> list[int]:
     counts = []
     for rank in range(pp):
         for stage in range(vpp):
-            count = get_num_layers_to_build(config, vp_stage=stage if vpp > 1 else None, pp_rank=rank)
+            count = get_num_layers_to_build(
+                config, vp_stage=stage if vpp > 1 else None, pp_rank=rank
+            )
             if rank == pp - 1 and stage == vpp - 1:
                 count += config.mtp_num_layers or 0  # MTP sits after the last decoder layer
             counts.append(count)
@@ -118,11 +126,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         action="store_true",
         default=False,
         help="In the interleaved 1F1B schedule with --overlap-moe-expert-parallel-comm, run the "
-        "backward pipeline send/receive on the communication stream, as megatron already does "
-        "for the forward one, so that it overlaps the next virtual stage's forward compute; the "
-        "first forward layer's attention is issued before the backward receive is waited on. "
-        "Needs --delay-wgrad-compute, pipeline parallelism with a virtual pipeline and P2P "
-        "overlap (no --no-overlap-p2p-communication).",
+        "backward pipeline send/receive on the communication stream, as megatron already does for "
+        "the forward one, so that it overlaps the next virtual stage's forward compute; the first "
+        "forward layer's attention is issued before the backward receive is waited on. Needs "
+        "--delay-wgrad-compute, pipeline parallelism with a virtual pipeline and P2P overlap (no "
+        "--no-overlap-p2p-communication).",
     )
     group.add_argument(
         "--overlap-p2p-wgrad-delayed-layer-number",
@@ -132,8 +140,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--delay-wgrad-compute), the last N backward layers of each model chunk defer their "
         "weight-gradient compute until after the backward pipeline send/receive, to overlap it. "
         "Between 1 and the number of layers in a model chunk; a chunk with fewer layers defers "
-        "all of them. 1 is megatron's behaviour (only the last backward layer's attention "
-        "weight gradient waits).",
+        "all of them. 1 is megatron's behaviour (only the last backward layer's attention weight "
+        "gradient waits).",
     )
     group.add_argument(
         "--overlap-p2p-with-transformer-layer-wgrad",

@@ -9,7 +9,6 @@ where they would do nothing, and the combinations that the fine-grained schedule
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 
 from megatron.patchset.core.predicates import graph_scope_names, layer_graphs_capture
 from megatron.patchset.core.rules import rule
@@ -23,7 +22,7 @@ from megatron.patchset.features.p2p_overlap.flags import (
 )
 
 
-def _requested_virtual_stages(args: argparse.Namespace) -> Optional[int]:
+def _requested_virtual_stages(args: argparse.Namespace) -> int | None:
     """Virtual stages per pipeline rank that the raw flags ask for (None: no virtual pipeline).
 
     Mirrors megatron's derivation of ``virtual_pipeline_model_parallel_size`` closely enough
@@ -31,18 +30,28 @@ def _requested_virtual_stages(args: argparse.Namespace) -> Optional[int]:
     """
     pp = args.pipeline_model_parallel_size
     if args.pipeline_model_parallel_layout:
-        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+        from megatron.core.transformer.pipeline_parallel_layer_layout import (
+            PipelineParallelLayerLayout,
+        )
 
-        stages = PipelineParallelLayerLayout.get_num_stages_from_str(args.pipeline_model_parallel_layout)
+        stages = PipelineParallelLayerLayout.get_num_stages_from_str(
+            args.pipeline_model_parallel_layout
+        )
         vpp = stages // pp if stages % pp == 0 else None
     elif args.num_virtual_stages_per_pipeline_rank is not None:
         vpp = args.num_virtual_stages_per_pipeline_rank
     elif args.num_layers_per_virtual_pipeline_stage is not None:
-        layers = (args.num_layers or 0) + int(bool(args.account_for_embedding_in_pipeline_split)) + int(
-            bool(args.account_for_loss_in_pipeline_split)
+        layers = (
+            (args.num_layers or 0)
+            + int(bool(args.account_for_embedding_in_pipeline_split))
+            + int(bool(args.account_for_loss_in_pipeline_split))
         )
         per_rank = layers // pp if pp else 0
-        vpp = per_rank // args.num_layers_per_virtual_pipeline_stage if args.num_layers_per_virtual_pipeline_stage > 0 else None
+        vpp = (
+            per_rank // args.num_layers_per_virtual_pipeline_stage
+            if args.num_layers_per_virtual_pipeline_stage > 0
+            else None
+        )
     else:
         vpp = None
     return vpp if vpp is not None and vpp > 1 else None
@@ -67,9 +76,9 @@ def _p2p_needs_fine_grained_schedule(args):
     ]
     if missing:
         return (
-            f"the P2P-overlap flags ({flags_given(args)}) need {' and '.join(missing)}: they change megatron's "
-            f"fine-grained 1F1B schedule (--overlap-moe-expert-parallel-comm) and defer weight "
-            f"gradients, which TransformerEngine computes separately only with "
+            f"the P2P-overlap flags ({flags_given(args)}) need {' and '.join(missing)}: they "
+            "change megatron's fine-grained 1F1B schedule (--overlap-moe-expert-parallel-comm) "
+            "and defer weight gradients, which TransformerEngine computes separately only with "
             f"--delay-wgrad-compute. Add {' '.join(missing)}, or drop the P2P-overlap flags."
         )
     return None
@@ -87,7 +96,8 @@ def _p2p_needs_fine_grained_schedule(args):
     ),
 )
 def _p2p_needs_interleaved_pipeline(args):
-    """The backward send/receive the flags overlap exists in the interleaved schedule with P2P overlap."""
+    """The backward send/receive the flags overlap exists in the interleaved schedule with P2P
+    overlap."""
     if not requested(args):
         return None
     problems = []
@@ -103,8 +113,9 @@ def _p2p_needs_interleaved_pipeline(args):
         problems.append("--no-overlap-p2p-communication (the schedule then sends outside the plan)")
     if problems:
         return (
-            f"the P2P-overlap flags ({flags_given(args)}) act on the backward pipeline send/receive of the "
-            f"interleaved 1F1B schedule, which this layout does not have: {'; '.join(problems)}."
+            f"the P2P-overlap flags ({flags_given(args)}) act on the backward pipeline "
+            "send/receive of the interleaved 1F1B schedule, which this layout does not have: "
+            f"{'; '.join(problems)}."
         )
     return None
 
@@ -141,11 +152,18 @@ def _p2p_fine_grained_limits(args):
     if not mcore_utils.is_torch_min_version("2.6.0"):
         import torch
 
-        problems.append(f"torch {torch.__version__} (the EP all-to-all overlap hangs before torch 2.6.0; upgrade torch)")
+        problems.append(
+            f"torch {torch.__version__} (the EP all-to-all overlap hangs before torch 2.6.0; "
+            "upgrade torch)"
+        )
     if args.expert_model_parallel_size <= 1:
-        problems.append(f"--expert-model-parallel-size {args.expert_model_parallel_size} (needs 2 or more)")
+        problems.append(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size} (needs 2 or more)"
+        )
     if args.moe_token_dispatcher_type not in ("alltoall", "flex"):
-        problems.append(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} (use alltoall or flex)")
+        problems.append(
+            f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} (use alltoall or flex)"
+        )
     if args.recompute_granularity == "full":
         problems.append("--recompute-granularity full (use selective recomputation or none)")
     if args.recompute_method is not None:
@@ -163,22 +181,26 @@ def _p2p_fine_grained_limits(args):
     if layer_graphs_capture(args, {"moe", "mlp"}):
         problems.append(
             f"--cuda-graph-impl {args.cuda_graph_impl} capturing the MLP/MoE part "
-            f"(--cuda-graph-modules {' '.join(sorted(graph_scope_names(args))) or 'empty, i.e. whole layers'}; "
-            f"capture attn and/or moe_router only)"
+            "(--cuda-graph-modules "
+            f"{' '.join(sorted(graph_scope_names(args))) or 'empty, i.e. whole layers'}; capture "
+            "attn and/or moe_router only)"
         )
     if args.transformer_impl != "transformer_engine":
         problems.append(
             f"--transformer-impl {args.transformer_impl} (weight-gradient deferral is a "
-            f"TransformerEngine feature: use transformer_engine)"
+            "TransformerEngine feature: use transformer_engine)"
         )
     if args.overlap_dispatch_backward_with_experts_wgrad:
         problems.append("--overlap-dispatch-backward-with-experts-wgrad (excludes both; drop it)")
     if args.use_megatron_fsdp:
-        problems.append("--use-megatron-fsdp (the fine-grained schedule has no Megatron-FSDP with a virtual pipeline)")
+        problems.append(
+            "--use-megatron-fsdp (the fine-grained schedule has no Megatron-FSDP with a virtual "
+            "pipeline)"
+        )
     if problems:
         return (
-            f"the P2P-overlap flags ({flags_given(args)}) act in megatron's fine-grained 1F1B schedule, which does "
-            f"not support: {'; '.join(problems)}."
+            f"the P2P-overlap flags ({flags_given(args)}) act in megatron's fine-grained 1F1B "
+            f"schedule, which does not support: {'; '.join(problems)}."
         )
     return None
 
@@ -186,8 +208,13 @@ def _p2p_fine_grained_limits(args):
 @rule(
     "p2p-overlap-delayed-layer-number-range",
     phase="combination",
-    flags=("--overlap-p2p-wgrad-delayed-layer-number", "--num-layers", "--pipeline-model-parallel-size",
-           "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"),
+    flags=(
+        "--overlap-p2p-wgrad-delayed-layer-number",
+        "--num-layers",
+        "--pipeline-model-parallel-size",
+        "--num-layers-per-virtual-pipeline-stage",
+        "--num-virtual-stages-per-pipeline-rank",
+    ),
 )
 def _p2p_delayed_layer_number(args, config):
     """N counts backward layers of one model chunk: 1 up to the layers a chunk holds."""
@@ -195,8 +222,8 @@ def _p2p_delayed_layer_number(args, config):
     if number < 1:
         return (
             f"--overlap-p2p-wgrad-delayed-layer-number {number}: give the number of backward "
-            f"layers per model chunk whose weight gradients wait for the backward P2P, at least 1 "
-            f"(1 is megatron's behaviour)."
+            "layers per model chunk whose weight gradients wait for the backward P2P, at least 1 "
+            "(1 is megatron's behaviour)."
         )
     if config is None or number == 1:
         return None
@@ -207,14 +234,14 @@ def _p2p_delayed_layer_number(args, config):
         sizes = sorted(set(counts))
         shape = (
             f"{largest} layers per model chunk (--num-layers {args.num_layers} over "
-            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} x "
-            f"{vpp or 1} virtual stages)"
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} x {vpp or 1} "
+            "virtual stages)"
             if len(sizes) == 1
             else f"model chunks of {', '.join(map(str, sizes))} layers"
         )
         return (
             f"--overlap-p2p-wgrad-delayed-layer-number {number} is more than the layers of any "
             f"model chunk: this layout has {shape}. Use 1 to {largest} ({largest} defers every "
-            f"layer of a chunk)."
+            "layer of a chunk)."
         )
     return None

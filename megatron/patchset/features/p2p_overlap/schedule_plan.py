@@ -41,8 +41,6 @@ Pieces:
 
 from __future__ import annotations
 
-from typing import Optional
-
 from megatron.patchset.core.registry import PatchsetError, patch
 from megatron.patchset.features.p2p_overlap.flags import P2POverlapOptions, options_from_config
 
@@ -131,8 +129,15 @@ def _flush_deferred_wgrad(layer, with_mlp: bool) -> None:
     layer.release_state()
 
 
-def run_chunk(f_schedule_plan, b_schedule_plan, b_grad=None,
-              pre_forward=None, pre_backward=None, post_forward=None, post_backward=None):
+def run_chunk(
+    f_schedule_plan,
+    b_schedule_plan,
+    b_grad=None,
+    pre_forward=None,
+    pre_backward=None,
+    post_forward=None,
+    post_backward=None,
+):
     """Forward of one micro-batch and backward of another through one model chunk.
 
     Same protocol as upstream's ``TransformerModelChunkSchedulePlan.run`` (the schedule passes
@@ -246,7 +251,7 @@ def run_chunk(f_schedule_plan, b_schedule_plan, b_grad=None,
 # ---------------------------------------------------------------------------------------
 
 _CLASS_NAMES = ("P2POverlapLayerSchedulePlan", "P2POverlapChunkSchedulePlan", "P2POverlapGPTModel")
-_CLASSES: Optional[dict] = None
+_CLASSES: dict | None = None
 
 
 def _build_classes() -> dict:
@@ -276,10 +281,22 @@ def _build_classes() -> dict:
         """megatron's GPTModel whose fine-grained schedule plan is the fork's."""
 
         def build_schedule_plan(
-            self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
-            inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
-            runtime_gather_output=None, inference_params=None, loss_mask=None, padding_mask=None,
-            *, output_processor=None, output_processor_context=None,
+            self,
+            input_ids,
+            position_ids,
+            attention_mask,
+            decoder_input=None,
+            labels=None,
+            inference_context=None,
+            packed_seq_params=None,
+            extra_block_kwargs=None,
+            runtime_gather_output=None,
+            inference_params=None,
+            loss_mask=None,
+            padding_mask=None,
+            *,
+            output_processor=None,
+            output_processor_context=None,
         ):
             """Same signature and preparation as ``GPTModel.build_schedule_plan``; returns a
             :class:`P2POverlapChunkSchedulePlan`. Inference arguments are unused, as upstream."""
@@ -289,11 +306,19 @@ def _build_classes() -> dict:
             if self.config.moe_paged_stash:
                 self.preprocess_for_paged_stash()
             return P2POverlapChunkSchedulePlan(
-                self, input_ids, position_ids, attention_mask,
-                decoder_input=decoder_input, labels=labels, packed_seq_params=packed_seq_params,
-                extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
-                loss_mask=loss_mask, padding_mask=padding_mask,
-                output_processor=output_processor, output_processor_context=output_processor_context,
+                self,
+                input_ids,
+                position_ids,
+                attention_mask,
+                decoder_input=decoder_input,
+                labels=labels,
+                packed_seq_params=packed_seq_params,
+                extra_block_kwargs=extra_block_kwargs,
+                runtime_gather_output=runtime_gather_output,
+                loss_mask=loss_mask,
+                padding_mask=padding_mask,
+                output_processor=output_processor,
+                output_processor_context=output_processor_context,
             )
 
     classes = {}
@@ -335,7 +360,7 @@ def _model_class(original):
     cls = plan_classes()["P2POverlapGPTModel"]
     if not issubclass(cls, original):
         raise PatchsetError(
-            f"{PATCH_NAME}: megatron.training.models.gpt.GPTModel is {original!r}, not megatron-core's "
-            f"GPTModel (or a base of it); another change replaced it first"
+            f"{PATCH_NAME}: megatron.training.models.gpt.GPTModel is {original!r}, not "
+            "megatron-core's GPTModel (or a base of it); another change replaced it first"
         )
     return cls

@@ -49,7 +49,8 @@ patch only marks the saved input (not exercised on this stack).
   x ``--moe-expert-rank-capacity-factor``, rounded up to the alignment, which is 256 with the op
   fuser (moe_utils.py:1407). Each local expert's rows are padded to that alignment and
   ``tokens_per_expert`` counts the padding. Without ``--moe-ncclep-static-shape`` the experts get
-  the buffer narrowed to ``sum(tokens_per_expert)`` rows (a host sync, token_dispatcher.py:1694-1701),
+  the buffer narrowed to ``sum(tokens_per_expert)`` rows (a host sync,
+  token_dispatcher.py:1694-1701),
   so megatron's stash sizes its pages from that data-dependent count divided by the factor
   (experts.py:654-670, paged_stash.py:569) and overflows, and re-runs, nearly every step; the
   fork's rule ``paged-stash-ncclep-static-shape`` asks for the flag. With it the experts get the
@@ -76,10 +77,12 @@ patch only marks the saved input (not exercised on this stack).
 from megatron.patchset.core.features import Feature
 from megatron.patchset.features.paged_stash.flags import FLAGS, requested, static_budget
 
+
 def _in_use(args) -> list[str]:
     factor = getattr(args, "moe_expert_rank_capacity_factor", None)
     return ([FLAGS[0]] if requested(args) else []) + (
-        [f"--moe-expert-rank-capacity-factor {factor}"] if factor is not None else [])
+        [f"--moe-expert-rank-capacity-factor {factor}"] if factor is not None else []
+    )
 
 
 FEATURE = Feature(

@@ -10,12 +10,14 @@ restored routing map's shape before each dispatch.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megatron.patchset.core.registry import patch
 from megatron.patchset.features.paged_stash.flags import preprocess_graphed
 
-def rank_budget(num_tokens: int, topk: int, factor: float, align: Optional[int]) -> int:
+
+def rank_budget(num_tokens: int, topk: int, factor: float, align: int | None) -> int:
     """Rows of HybridEP's static per-rank receive buffer: tokens x top-k x the rank capacity
     factor, rounded up to ``align`` (megatron's sizing rule for ``num_permuted_tokens``)."""
     budget = int(num_tokens * topk * factor)
@@ -24,7 +26,7 @@ def rank_budget(num_tokens: int, topk: int, factor: float, align: Optional[int])
     return budget
 
 
-def restore_static_budget(manager: Any, align_for: Callable[[Any], Optional[int]]) -> bool:
+def restore_static_budget(manager: Any, align_for: Callable[[Any], int | None]) -> bool:
     """Set a HybridEP manager's static receive budget when a graph replay skipped the
     preprocessing that sets it; returns whether it was restored."""
     factor = getattr(manager, "moe_expert_rank_capacity_factor", None)
@@ -37,7 +39,9 @@ def restore_static_budget(manager: Any, align_for: Callable[[Any], Optional[int]
     ):
         return False
     rows = int(routing_map.shape[0])
-    manager.num_permuted_tokens = rank_budget(rows, manager.config.moe_router_topk, factor, align_for(manager.config))
+    manager.num_permuted_tokens = rank_budget(
+        rows, manager.config.moe_router_topk, factor, align_for(manager.config)
+    )
     if getattr(manager, "_padded_num_tokens", None) is None:
         manager._padded_num_tokens = rows
     if getattr(manager, "_original_num_tokens", None) is None:
@@ -50,13 +54,15 @@ def restore_static_budget(manager: Any, align_for: Callable[[Any], Optional[int]
     "megatron.core.transformer.moe.token_dispatcher._HybridEPManager.dispatch",
     reason="with CUDA graphs over moe_preprocess, HybridEP's setup_metadata (which sets the "
     "static receive budget as a Python int) only runs at capture; on replay the budget is lost "
-    "and dispatch silently becomes dynamic and CPU-synchronised: recompute it from the "
-    "restored routing map before dispatching",
+    "and dispatch silently becomes dynamic and CPU-synchronised: recompute it from the restored "
+    "routing map before dispatching",
     upstream_pr="fork-only (megatron-core 0.19.2 restores only tensor attributes on replay)",
     flags=("--moe-expert-rank-capacity-factor", "--cuda-graph-modules moe_preprocess"),
-    enabled=lambda args: getattr(args, "moe_expert_rank_capacity_factor", None) is not None
-    and getattr(args, "moe_flex_dispatcher_backend", None) == "hybridep"
-    and preprocess_graphed(args),
+    enabled=lambda args: (
+        getattr(args, "moe_expert_rank_capacity_factor", None) is not None
+        and getattr(args, "moe_flex_dispatcher_backend", None) == "hybridep"
+        and preprocess_graphed(args)
+    ),
 )
 def _wrap_hybridep_dispatch(original):
     @functools.wraps(original)
@@ -67,4 +73,3 @@ def _wrap_hybridep_dispatch(original):
         return original(self, hidden_states, *args, **kwargs)
 
     return dispatch
-

@@ -9,7 +9,8 @@ Patch ``paged_stash.te_expert_ops`` gives the experts' op-fuser ops (``ops.Group
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron.patchset.core.registry import patch
 from megatron.patchset.features.paged_stash.flags import static_budget
@@ -23,7 +24,6 @@ PACKED_INPUT_ATTR = "megatron_patchset_packed_input"
 
 class SlackRowError(ValueError):
     """The per-expert token counts exceed the rows of the expert input buffer."""
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -117,7 +117,9 @@ def pack_saved_input(saved: Sequence[Any], full_input: Any, num_groups: int, off
     return tuple(saved)
 
 
-def unpack_saved_input(saved: Sequence[Any], num_groups: int, offset: int, sizes: Sequence[int]) -> tuple:
+def unpack_saved_input(
+    saved: Sequence[Any], num_groups: int, offset: int, sizes: Sequence[int]
+) -> tuple:
     """Inverse of :func:`pack_saved_input`: per-expert views of the real rows of the input."""
     import torch
 
@@ -129,7 +131,9 @@ def unpack_saved_input(saved: Sequence[Any], num_groups: int, offset: int, sizes
     return tuple(saved)
 
 
-def packable_inputs(saved: Sequence[Any], input_: Any, num_groups: int, offset: int, dtype: Any) -> bool:
+def packable_inputs(
+    saved: Sequence[Any], input_: Any, num_groups: int, offset: int, dtype: Any
+) -> bool:
     """Whether a split-path layout saved plain per-expert views of ``input_`` (bf16/fp16, no
     quantized copies), so that saving ``input_`` itself is equivalent."""
     import torch
@@ -157,20 +161,28 @@ def make_grouped_linear(base: type) -> type:
             "paged-stash marking of its saved input (megatron-patchset)."
         )
 
-        def _fuser_forward_split_quantize(self, *, input_, split_sizes, scales, out_buffer=None, **kwargs):
+        def _fuser_forward_split_quantize(
+            self, *, input_, split_sizes, scales, out_buffer=None, **kwargs
+        ):
             rows = input_.shape[0]
             sizes = host_split_sizes(split_sizes)
             extra = slack_rows(sizes, rows)
             if extra == 0 or input_.dim() != 2:
                 return super()._fuser_forward_split_quantize(
-                    input_=input_, split_sizes=split_sizes, scales=scales, out_buffer=out_buffer, **kwargs
+                    input_=input_,
+                    split_sizes=split_sizes,
+                    scales=scales,
+                    out_buffer=out_buffer,
+                    **kwargs,
                 )
             import torch
 
             total = rows - extra
             full_out = out_buffer
             if full_out is None:
-                full_out = torch.empty((rows, self.out_features), dtype=kwargs["dtype"], device=kwargs["device"])
+                full_out = torch.empty(
+                    (rows, self.out_features), dtype=kwargs["dtype"], device=kwargs["device"]
+                )
             full_out[total:].zero_()
             _, saved = super()._fuser_forward_split_quantize(
                 input_=input_[:total],
@@ -181,8 +193,16 @@ def make_grouped_linear(base: type) -> type:
             )
             return full_out, saved
 
-        def fuser_forward_save_ctx(self, basic_op_ctxs, input_, tensors_to_save, *, requires_grad,
-                                   use_grouped_tensor_path, **kwargs):
+        def fuser_forward_save_ctx(
+            self,
+            basic_op_ctxs,
+            input_,
+            tensors_to_save,
+            *,
+            requires_grad,
+            use_grouped_tensor_path,
+            **kwargs,
+        ):
             packed = False
             if requires_grad[0] and tensors_to_save and tensors_to_save[0] is not None:
                 saved = tensors_to_save[0]
@@ -191,14 +211,22 @@ def make_grouped_linear(base: type) -> type:
                     if len(saved) > offset and stash_expects(input_):
                         mark_for_stash(saved[offset])
                 elif stash_expects(input_):
-                    weight = self.weight if getattr(self, "single_grouped_weight", False) else self.weight0
+                    weight = (
+                        self.weight
+                        if getattr(self, "single_grouped_weight", False)
+                        else self.weight0
+                    )
                     if packable_inputs(saved, input_, self.num_groups, offset, weight.dtype):
                         tensors_to_save = [pack_saved_input(saved, input_, self.num_groups, offset)]
                         mark_for_stash(input_)
                         packed = True
             super().fuser_forward_save_ctx(
-                basic_op_ctxs, input_, tensors_to_save, requires_grad=requires_grad,
-                use_grouped_tensor_path=use_grouped_tensor_path, **kwargs,
+                basic_op_ctxs,
+                input_,
+                tensors_to_save,
+                requires_grad=requires_grad,
+                use_grouped_tensor_path=use_grouped_tensor_path,
+                **kwargs,
             )
             if requires_grad[0]:
                 setattr(basic_op_ctxs[0], PACKED_INPUT_ATTR, packed)
@@ -222,7 +250,9 @@ def make_grouped_linear(base: type) -> type:
             if getattr(ctx, "input_requires_grad", True):
                 full_dgrad = previous
                 if full_dgrad is None:
-                    full_dgrad = torch.empty((rows, self.in_features), dtype=ctx.dtype, device=grad_output.device)
+                    full_dgrad = torch.empty(
+                        (rows, self.in_features), dtype=ctx.dtype, device=grad_output.device
+                    )
                 full_dgrad[total:].zero_()
                 ctx.dgrad_out = full_dgrad[:total]
             try:
@@ -237,12 +267,19 @@ def make_grouped_linear(base: type) -> type:
             if full_dgrad is not None:
                 grad_input = full_dgrad
             grad_extra = [
-                tuple(pad_rows(g, rows) if g is not None and g.dim() >= 1 and g.shape[0] == total else g for g in group)
+                tuple(
+                    pad_rows(g, rows)
+                    if g is not None and g.dim() >= 1 and g.shape[0] == total
+                    else g
+                    for g in group
+                )
                 for group in grad_extra
             ]
             return grad_input, grad_params, grad_extra
 
-    PagedStashGroupedLinear.__name__ = PagedStashGroupedLinear.__qualname__ = "PagedStashGroupedLinear"
+    PagedStashGroupedLinear.__name__ = PagedStashGroupedLinear.__qualname__ = (
+        "PagedStashGroupedLinear"
+    )
     PagedStashGroupedLinear.__module__ = __name__
     return PagedStashGroupedLinear
 
@@ -267,7 +304,7 @@ def make_scaled_glu(base: type) -> type:
 _SUBCLASSES: dict[type, type] = {}
 
 
-def paged_stash_class(op_class: type, grouped_linear: type, scaled_glu: type) -> Optional[type]:
+def paged_stash_class(op_class: type, grouped_linear: type, scaled_glu: type) -> type | None:
     """The fork's subclass of a TE op class (built once per class), or None for other ops."""
     if op_class in _SUBCLASSES.values():
         return None  # already the fork's
@@ -298,9 +335,10 @@ def adopt_ops(ops: Any, grouped_linear: type, scaled_glu: type) -> int:
     "megatron.core.transformer.moe.experts.TEGroupedMLP._make_fused_ops",
     reason="on Hopper with cuBLASLt < 13.4 TE's bf16 op-fuser grouped GEMM takes the split path "
     "(split_sizes.tolist() + torch.split), which fails on the slack rows of the static expert "
-    "buffer (HybridEP with a budget, NCCL EP with --moe-ncclep-static-shape), and TE's basic GroupedLinear/ScaledSwiGLU ops never mark their saved "
-    "activations for megatron's paged stash: give the experts' ops subclasses that run the GEMMs "
-    "on the real rows (zero output/grad for slack rows) and save markable activations",
+    "buffer (HybridEP with a budget, NCCL EP with --moe-ncclep-static-shape), and TE's basic "
+    "GroupedLinear/ScaledSwiGLU ops never mark their saved activations for megatron's paged "
+    "stash: give the experts' ops subclasses that run the GEMMs on the real rows (zero "
+    "output/grad for slack rows) and save markable activations",
     upstream_pr="fork-only (TE marks activations only in its Blackwell fused grouped MLP; its "
     "grouped-tensor GEMM path handles slack rows with cuBLASLt >= 13.4)",
     flags=("--moe-expert-rank-capacity-factor", "--use-transformer-engine-op-fuser"),
@@ -317,4 +355,3 @@ def _wrap_make_fused_ops(original):
         return ops
 
     return _make_fused_ops
-

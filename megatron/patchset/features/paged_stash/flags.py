@@ -18,7 +18,6 @@ FLAGS = (
 )
 
 
-
 def requested(args: Any) -> bool:
     """Whether the run pages the experts' activations (``--moe-paged-stash``)."""
     return bool(getattr(args, "moe_paged_stash", False))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megatron.patchset.core.registry import patch
 from megatron.patchset.features.paged_stash.flags import requested
@@ -30,7 +31,7 @@ def _rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _iteration() -> Optional[int]:
+def _iteration() -> int | None:
     try:
         from megatron.training import get_args
 
@@ -45,7 +46,7 @@ def say(message: str) -> None:
         print(f"{LOG_PREFIX}: {message}", flush=True)
 
 
-def describe_buffers(stash_buffers: Optional[dict]) -> list[str]:
+def describe_buffers(stash_buffers: dict | None) -> list[str]:
     """One line per stash buffer: dtype, width, pages and bytes on the GPU and the host."""
     lines = []
     for dtype, by_width in (stash_buffers or {}).items():
@@ -57,7 +58,8 @@ def describe_buffers(stash_buffers: Optional[dict]) -> list[str]:
             tokens = cuda.shape[0] if cuda is not None else 0
             lines.append(
                 f"{str(dtype).replace('torch.', '')} width {width}: {tokens} token rows, "
-                f"{cuda_bytes / 2**20:.1f} MiB GPU" + (f", {host_bytes / 2**20:.1f} MiB pinned host" if host_bytes else "")
+                f"{cuda_bytes / 2**20:.1f} MiB GPU"
+                + (f", {host_bytes / 2**20:.1f} MiB pinned host" if host_bytes else "")
             )
     return lines
 
@@ -81,9 +83,10 @@ def _wrap_allocate(original):
             say("allocated stash buffers (" + "; ".join(lines) + ")")
         else:
             say(
-                "WARNING: no MoE activation was marked for stashing in the capture step, so nothing "
-                "is paged and activations are saved at full size. The expert MLP must run TE's op "
-                "fuser (--use-transformer-engine-op-fuser) with megatron-patchset's TE patches applied."
+                "WARNING: no MoE activation was marked for stashing in the capture step, so "
+                "nothing is paged and activations are saved at full size. The expert MLP must run "
+                "TE's op fuser (--use-transformer-engine-op-fuser) with megatron-patchset's TE "
+                "patches applied."
             )
         return result
 
@@ -99,7 +102,9 @@ class OverflowReport:
         self.reruns = 0
         self.spills = 0
 
-    def __call__(self, stash_overflow: int, over_budget: int, host_spill: int, config: Any = None) -> None:
+    def __call__(
+        self, stash_overflow: int, over_budget: int, host_spill: int, config: Any = None
+    ) -> None:
         where = _iteration()
         step = f"iteration {where + 1}" if isinstance(where, int) else "this step"
         if stash_overflow or over_budget:
@@ -107,37 +112,48 @@ class OverflowReport:
             if stash_overflow:
                 causes.append(f"stash buffer full on {stash_overflow} rank(s)")
             if over_budget:
-                causes.append(f"HybridEP receive budget exceeded (tokens dropped) on {over_budget} rank(s)")
+                causes.append(
+                    f"HybridEP receive budget exceeded (tokens dropped) on {over_budget} rank(s)"
+                )
             keeps_budget = getattr(config, "moe_flex_dispatcher_backend", None) == "ncclep"
             hints = []
             if stash_overflow:
                 hints.append(
-                    f"--moe-paged-stash-buffer-size-factor-cuda (now {getattr(config, 'moe_paged_stash_buffer_size_factor_cuda', '?')}) "
-                    f"or --moe-paged-stash-buffer-size-factor-cpu (now {getattr(config, 'moe_paged_stash_buffer_size_factor_cpu', '?')})"
+                    "--moe-paged-stash-buffer-size-factor-cuda (now "
+                    f"{getattr(config, 'moe_paged_stash_buffer_size_factor_cuda', '?')}) or "
+                    "--moe-paged-stash-buffer-size-factor-cpu (now "
+                    f"{getattr(config, 'moe_paged_stash_buffer_size_factor_cpu', '?')})"
                 )
             if over_budget:
-                hints.append(f"--moe-expert-rank-capacity-factor (now {getattr(config, 'moe_expert_rank_capacity_factor', '?')})")
+                hints.append(
+                    "--moe-expert-rank-capacity-factor (now "
+                    f"{getattr(config, 'moe_expert_rank_capacity_factor', '?')})"
+                )
             self.reruns += 1
             self.rerun_pending = True
             how = (
-                "with the same NCCL EP receive budget (NCCL EP cannot drop tokens) and without paged stashing"
+                "with the same NCCL EP receive budget (NCCL EP cannot drop tokens) and without "
+                "paged stashing"
                 if keeps_budget
                 else "without the receive budget and without paged stashing"
             )
             self.emit(
-                f"OVERFLOW in {step} ({'; '.join(causes)}): megatron re-runs the step on the same data "
-                f"{how} (gradients zeroed first). "
-                f"Re-runs cost a step each; raise {' and '.join(hints)} to avoid them."
+                f"OVERFLOW in {step} ({'; '.join(causes)}): megatron re-runs the step on the same "
+                f"data {how} (gradients zeroed first). Re-runs cost a step each; raise "
+                f"{' and '.join(hints)} to avoid them."
             )
             return
         if self.rerun_pending:
             self.rerun_pending = False
-            self.emit(f"re-run of {step} finished without overflow ({self.reruns} re-run(s) so far); training continues")
+            self.emit(
+                f"re-run of {step} finished without overflow ({self.reruns} re-run(s) so far); "
+                "training continues"
+            )
         if host_spill:
             self.spills += 1
             self.emit(
-                f"{step} spilled activations to pinned host memory on {host_spill} rank(s) (GPU stash full); "
-                f"no re-run needed"
+                f"{step} spilled activations to pinned host memory on {host_spill} rank(s) (GPU "
+                "stash full); no re-run needed"
             )
 
 
@@ -158,7 +174,8 @@ _REPORT = OverflowReport()
 def _wrap_check_overflow(original):
     @functools.wraps(original)
     def check_moe_overflow(self, *args, **kwargs):
-        # DeferredResultChecks already all-reduced this attempt's flags: use them, no second collective
+        # DeferredResultChecks already all-reduced this attempt's flags: use them, no second
+        # collective
         cached = self.__dict__.pop(FLAGS_ATTR, None)
         result = cached if cached is not None else original(self, *args, **kwargs)
         try:
@@ -168,4 +185,3 @@ def _wrap_check_overflow(original):
         return result
 
     return check_moe_overflow
-

@@ -4,11 +4,13 @@ known, and dropped (with the RNG states the attempt advanced put back) when it o
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megatron.patchset.core.registry import patch
 from megatron.patchset.features.paged_stash.flags import requested
 from megatron.patchset.features.paged_stash.report import FLAGS_ATTR, say
+
 
 class RngStates:
     """Every random stream a training step draws from, saved and put back: Python's, NumPy's,
@@ -17,7 +19,7 @@ class RngStates:
     ``--te-rng-tracker`` / CUDA graphs these are graph-safe ``torch.Generator`` objects, saved by
     value and set in place so that captured graphs keep their generator)."""
 
-    def __init__(self, tracker: Optional[Callable[[], Any]] = None, cuda: Optional[bool] = None):
+    def __init__(self, tracker: Callable[[], Any] | None = None, cuda: bool | None = None):
         self._tracker = tracker
         self._cuda = cuda
 
@@ -42,8 +44,13 @@ class RngStates:
         named = {}
         for name, state in self.tracker().get_states().items():
             named[name] = state.get_state() if isinstance(state, torch.Generator) else state.clone()
-        return {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if self.cuda() else None, "tracker": named}
+        return {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if self.cuda() else None,
+            "tracker": named,
+        }
 
     def restore(self, saved: dict) -> None:
         import random
@@ -93,8 +100,14 @@ class DeferredResultChecks:
     it, would draw other masks than a run that never overflowed.
     """
 
-    def __init__(self, runner: Any, forward_backward_func: Callable, state_machine: Callable[[], Any],
-                 check_flags: Callable[[Any], tuple], rng: Optional["RngStates"] = None):
+    def __init__(
+        self,
+        runner: Any,
+        forward_backward_func: Callable,
+        state_machine: Callable[[], Any],
+        check_flags: Callable[[Any], tuple],
+        rng: RngStates | None = None,
+    ):
         self.rng = rng or RngStates()
         self.runner = runner
         self.forward_backward_func = forward_backward_func
@@ -115,7 +128,8 @@ class DeferredResultChecks:
         # where upstream frees each micro-batch's graph after its backward), and the schedule
         # scales it in place after the check
         machine.validate_result = lambda *a, **k: held.append(
-            (tuple(_snapshot(v) for v in a), {key: _snapshot(v) for key, v in k.items()}))
+            (tuple(_snapshot(v) for v in a), {key: _snapshot(v) for key, v in k.items()})
+        )
         rng = self.rng.save()
         try:
             result = self.forward_backward_func(*args, **kwargs)
@@ -127,8 +141,10 @@ class DeferredResultChecks:
         if stash_overflow or over_budget:
             self.dropped += len(held)
             if held:
-                say(f"{len(held)} result check(s) of the overflowed attempt dropped (its gradients are not "
-                    f"used; the re-run is checked)")
+                say(
+                    f"{len(held)} result check(s) of the overflowed attempt dropped (its gradients "
+                    "are not used; the re-run is checked)"
+                )
             # the re-run draws the attempt's dropout masks again, as a step that never paged would
             self.rng.restore(rng)
             return result
@@ -149,8 +165,8 @@ def _upstream_check_flags(runner: Any) -> tuple:
     reason="an attempt that overflows the paged stash has NaN gradients, which megatron's rerun "
     "state machine checks inside the attempt, before the runner sees the overflow: it takes them "
     "for a fault, re-runs the iteration (overflowing again) and exits; hold the checks until the "
-    "overflow flags are known and drop those of an overflowed attempt, and put back the RNG states "
-    "the attempt advanced (dropout), so the re-run equals a step that never overflowed",
+    "overflow flags are known and drop those of an overflowed attempt, and put back the RNG "
+    "states the attempt advanced (dropout), so the re-run equals a step that never overflowed",
     upstream_pr="fork-only (megatron-core 0.19.2's overflow re-run stops at the NaN check)",
     flags=("--moe-paged-stash",),
     enabled=requested,
@@ -162,6 +178,7 @@ def _wrap_runner_init(original):
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
         self.forward_backward_func = DeferredResultChecks(
-            self, self.forward_backward_func, get_rerun_state_machine, _upstream_check_flags)
+            self, self.forward_backward_func, get_rerun_state_machine, _upstream_check_flags
+        )
 
     return __init__

@@ -23,8 +23,10 @@ FEATURE = Feature(
     enabled=flags.requested,
     upstream_pr="fork-only (per-layer torch.compile)",
     status="not yet verified on 2 GPUs",
-    modules=tuple(f"{__name__}.{m}" for m in
-                  ("rules", "eager_regions", "te_kernels", "attention_block", "permutation")),
+    modules=tuple(
+        f"{__name__}.{m}"
+        for m in ("rules", "eager_regions", "te_kernels", "attention_block", "permutation")
+    ),
     flags=flags.FLAGS,
     add_arguments=flags.add_arguments,
     pre_wrap_hook=_pre_wrap_hook,

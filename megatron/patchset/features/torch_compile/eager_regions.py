@@ -4,7 +4,7 @@ aux-loss backward, force-balanced random logits and the local spec's TP-group lo
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 from megatron.patchset.core.registry import patch
 from megatron.patchset.features.torch_compile.flags import FLAG, force_load_balancing
@@ -42,12 +42,14 @@ def eager_region(original: Callable, data_dependent_outputs: bool = False) -> Ca
     return torch.compiler.disable(region)
 
 
-# name -> (target, reason, whether the outputs' token count is data-dependent). One line each; ``python -m megatron.patchset --list --reasons``.
+# name -> (target, reason, whether the outputs' token count is data-dependent). One line each;
+# ``python -m megatron.patchset --list --reasons``.
 EAGER_REGIONS = {
     "compile.moe_dispatch_eager": (
         f"{_MOE_LAYER}.dispatch",
         "token dispatch is a collective with host-side split sizes and side streams (all-to-all "
-        "D2H copies and event syncs, all-gather, DeepEP/HybridEP/NCCL-EP fused dispatch): run eagerly",
+        "D2H copies and event syncs, all-gather, DeepEP/HybridEP/NCCL-EP fused dispatch): run "
+        "eagerly",
         True,
     ),
     "compile.moe_experts_eager": (
@@ -67,7 +69,9 @@ EAGER_REGIONS = {
 
 def _register_eager_regions() -> None:
     for name, (target, reason, dynamic) in EAGER_REGIONS.items():
-        patch(name, target, reason=reason)(functools.partial(eager_region, data_dependent_outputs=dynamic))
+        patch(name, target, reason=reason)(
+            functools.partial(eager_region, data_dependent_outputs=dynamic)
+        )
 
 
 _register_eager_regions()
@@ -92,7 +96,8 @@ def aux_loss_grad_op():
         import torch
 
         @torch.library.custom_op(
-            "megatron_patchset::aux_loss_grad", mutates_args=(),
+            "megatron_patchset::aux_loss_grad",
+            mutates_args=(),
             schema="(Tensor aux_loss, Tensor grad_output) -> Tensor",
         )
         def aux_loss_grad(aux_loss: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
@@ -151,8 +156,9 @@ def random_logits_op():
     if _RANDOM_LOGITS_OP is None:
         import torch
 
-        @torch.library.custom_op("megatron_patchset::random_logits", mutates_args=(),
-                                 schema="(Tensor logits) -> Tensor")
+        @torch.library.custom_op(
+            "megatron_patchset::random_logits", mutates_args=(), schema="(Tensor logits) -> Tensor"
+        )
         def random_logits(logits: torch.Tensor) -> torch.Tensor:
             from megatron.core.tensor_parallel.random import (
                 get_cuda_rng_tracker,
@@ -194,8 +200,8 @@ def _random_logits_factory(original):
     "compile.tp_group_lookup_quiet",
     "megatron.core.tensor_parallel.layers.get_tensor_model_parallel_group_if_none",
     reason="the local spec's RowParallelLinear passes tp_group=None and the rank-0-only "
-    "deprecation warning is a graph break on rank 0 only: resolve the same group without it "
-    "while compiling",
+    "deprecation warning is a graph break on rank 0 only: resolve the same group without it while "
+    "compiling",
 )
 def _tp_group_factory(original):
     @functools.wraps(original)

@@ -31,10 +31,12 @@ def requested(args: Any) -> bool:
     return bool(getattr(args, "compile_transformer_layers", False)) if args is not None else False
 
 
-
 def traceable_substitutes(args: Any) -> bool:
-    """TE's kernels run as torch code while tracing (not with --compile-transformer-layers-te-kernels)."""
-    return requested(args) and not bool(getattr(args, "compile_transformer_layers_te_kernels", False))
+    """TE's kernels run as torch code while tracing (not with
+    --compile-transformer-layers-te-kernels)."""
+    return requested(args) and not bool(
+        getattr(args, "compile_transformer_layers_te_kernels", False)
+    )
 
 
 def traceable_router(args: Any) -> bool:
@@ -42,7 +44,10 @@ def traceable_router(args: Any) -> bool:
 
 
 def te_attention_block_substitutes(args: Any) -> bool:
-    return traceable_substitutes(args) and getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+    return (
+        traceable_substitutes(args)
+        and getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+    )
 
 
 def traceable_permutation(args: Any) -> bool:
@@ -70,8 +75,11 @@ class CompileOptions:
 
 def options_from_args(args: Any) -> CompileOptions:
     return CompileOptions(
-        **{name[len("compile_transformer_layers_"):]: getattr(args, name, default)
-           for name, default in DEFAULTS.items() if name != "compile_transformer_layers"}
+        **{
+            name[len("compile_transformer_layers_") :]: getattr(args, name, default)
+            for name, default in DEFAULTS.items()
+            if name != "compile_transformer_layers"
+        }
     )
 
 
@@ -93,8 +101,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="torch.compile each TransformerLayer's forward (per layer, in place, before "
         "DDP/Megatron-FSDP wrapping, so their hooks stay outside the compiled code). The MoE "
         "token dispatch, expert computation and combine run eagerly (compile-disabled patches). "
-        "After the warm-up iterations a recompile of a compiled layer is an error; dynamo's "
-        "graph and graph-break counts are logged.",
+        "After the warm-up iterations a recompile of a compiled layer is an error; dynamo's graph "
+        "and graph-break counts are logged.",
     )
     group.add_argument(
         "--compile-transformer-layers-mode",
@@ -116,8 +124,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=DEFAULTS["compile_transformer_layers_warmup_iters"],
         help="Training iterations in which the compiled layers may compile and recompile "
-        "(first-call and one-time guards); from the next one on a recompile of a compiled "
-        "layer raises an error naming the failed guard.",
+        "(first-call and one-time guards); from the next one on a recompile of a compiled layer "
+        "raises an error naming the failed guard.",
     )
     group.add_argument(
         "--compile-transformer-layers-te-kernels",

@@ -30,7 +30,8 @@ What it does, and why this way:
 * **No silent eager fallback, no recompiles after warm-up.** Dynamo's recompile limit is a hard
   error (``fail_on_recompile_limit_hit``); per-layer integer attributes are not specialised
   (``allow_unspec_int_on_nn_module``), so all layers share one compiled variant. After
-  ``--compile-transformer-layers-warmup-iters`` training iterations every call of a compiled layer in
+  ``--compile-transformer-layers-warmup-iters`` training iterations every call of a compiled layer
+  in
   training mode runs under the ``fail_on_recompile`` stance: a recompile raises an error that names
   the guard that failed (the eager regions switch back to the default stance, so megatron's own
   ``jit_fuser`` kernels inside them may still specialise on token counts).
@@ -39,21 +40,32 @@ What it does, and why this way:
   writes them as ``{"compile": ...}`` lines into the metrics file (``MEGATRON_PATCHSET_METRICS``).
 """
 
-
 from __future__ import annotations
 
 import atexit
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.core.registry import SKIP_ENV, applied, skipped_patches
 from megatron.patchset.features.torch_compile import tracing
-from megatron.patchset.features.torch_compile.attention_block import ATTENTION_BLOCK_PATCHES, attention_block_report
+from megatron.patchset.features.torch_compile.attention_block import (
+    ATTENTION_BLOCK_PATCHES,
+    attention_block_report,
+)
 from megatron.patchset.features.torch_compile.eager_regions import PATCH_NAMES
-from megatron.patchset.features.torch_compile.flags import FLAG, TE_KERNELS_FLAG, CompileOptions, options_from_args
+from megatron.patchset.features.torch_compile.flags import (
+    FLAG,
+    TE_KERNELS_FLAG,
+    CompileOptions,
+    options_from_args,
+)
 from megatron.patchset.features.torch_compile.monitor import CompileMonitor
-from megatron.patchset.features.torch_compile.permutation import PERMUTATION_PATCHES, permutation_topk
+from megatron.patchset.features.torch_compile.permutation import (
+    PERMUTATION_PATCHES,
+    permutation_topk,
+)
 
 
 def configure_dynamo() -> None:
@@ -67,8 +79,12 @@ def configure_dynamo() -> None:
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
 
 
-def compile_layer(layer, options: CompileOptions, monitor: Optional[CompileMonitor],
-                  permute_topk: Optional[int] = None) -> None:
+def compile_layer(
+    layer,
+    options: CompileOptions,
+    monitor: CompileMonitor | None,
+    permute_topk: int | None = None,
+) -> None:
     """Replace ``layer.forward`` (the instance attribute) with its compiled version.
     ``permute_topk``: see :func:`permutation_topk` (None keeps TE's permutation)."""
     import torch
@@ -119,7 +135,7 @@ def _permutation_applied() -> bool:
     return all(name in applied() for name in PERMUTATION_PATCHES)
 
 
-def layer_permutation_topk(layer) -> Optional[int]:
+def layer_permutation_topk(layer) -> int | None:
     """:func:`permutation_topk` of the layer's dispatcher when :func:`_permutation_applied`."""
     dispatcher = _token_dispatcher(layer)
     if dispatcher is None or not _permutation_applied():
@@ -127,8 +143,9 @@ def layer_permutation_topk(layer) -> Optional[int]:
     return permutation_topk(dispatcher)
 
 
-def compile_transformer_layers(model_chunks: list, options: CompileOptions,
-                               monitor: Optional[CompileMonitor] = None) -> list[str]:
+def compile_transformer_layers(
+    model_chunks: list, options: CompileOptions, monitor: CompileMonitor | None = None
+) -> list[str]:
     """Compile every TransformerLayer of the chunks in place; returns their qualified names."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -137,8 +154,11 @@ def compile_transformer_layers(model_chunks: list, options: CompileOptions,
         skipped = sorted(set(missing) & skipped_patches())
         raise PatchsetError(
             f"{FLAG}: the compile patches {', '.join(missing)} are not applied; "
-            + (f"{SKIP_ENV} leaves out {', '.join(skipped)}, which compilation needs"
-               if skipped else "call megatron.patchset.apply(args) before building the model")
+            + (
+                f"{SKIP_ENV} leaves out {', '.join(skipped)}, which compilation needs"
+                if skipped
+                else "call megatron.patchset.apply(args) before building the model"
+            )
         )
     configure_dynamo()
     names = []
@@ -155,8 +175,12 @@ def compile_transformer_layers(model_chunks: list, options: CompileOptions,
 
 def traceable_norm_count(model_chunks: list) -> int:
     """TE norms of the model with the traceable forward (traced only inside compiled layers)."""
-    return sum(1 for chunk in model_chunks for module in chunk.modules()
-               if getattr(module, "__megatron_patchset_rms__", None) is not None)
+    return sum(
+        1
+        for chunk in model_chunks
+        for module in chunk.modules()
+        if getattr(module, "__megatron_patchset_rms__", None) is not None
+    )
 
 
 def _attention_block_applied() -> bool:
@@ -164,16 +188,21 @@ def _attention_block_applied() -> bool:
 
 
 def permutation_report(model_chunks: list) -> str:
-    """"; MoE permutation as gathers in N of M MoE layers" when the permutation patches apply."""
+    """ "; MoE permutation as gathers in N of M MoE layers" when the permutation patches apply."""
     if not _permutation_applied():
         return ""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    moe = [m for chunk in model_chunks for m in chunk.modules()
-           if isinstance(m, TransformerLayer) and _token_dispatcher(m) is not None]
+    moe = [
+        m
+        for chunk in model_chunks
+        for m in chunk.modules()
+        if isinstance(m, TransformerLayer) and _token_dispatcher(m) is not None
+    ]
     gathered = sum(1 for m in moe if layer_permutation_topk(m))
-    return (f"; MoE permutation as gathers in {gathered} of {len(moe)} MoE layers"
-            + ("" if gathered == len(moe) else " (the others: TE's kernels; dropless all-to-all only)"))
+    return f"; MoE permutation as gathers in {gathered} of {len(moe)} MoE layers" + (
+        "" if gathered == len(moe) else " (the others: TE's kernels; dropless all-to-all only)"
+    )
 
 
 def pre_wrap_hook(args: Any) -> Callable[[list], list]:
@@ -185,14 +214,22 @@ def pre_wrap_hook(args: Any) -> Callable[[list], list]:
         atexit.register(monitor.final_report)
         names = compile_transformer_layers(model_chunks, options, monitor)
         monitor._say(
-            f"compile: {len(names)} TransformerLayers compiled per layer "
-            f"(torch.compile {options.compile_kwargs()}), warm-up {options.warmup_iters} iterations; "
-            + (f"TE kernels inside the compiled layers ({TE_KERNELS_FLAG}: a graph break each)"
-               if options.te_kernels else
-               f"TE norms ({traceable_norm_count(model_chunks)} in the model), the router and RoPE"
-               + f" trace as torch code while compiling (inductor fuses them; {TE_KERNELS_FLAG} keeps TE's kernels)"
-               + (f"; {attention_block_report(model_chunks)}" if _attention_block_applied() else "")
-               + permutation_report(model_chunks))
+            f"compile: {len(names)} TransformerLayers compiled per layer (torch.compile "
+            f"{options.compile_kwargs()}), warm-up {options.warmup_iters} iterations; "
+            + (
+                f"TE kernels inside the compiled layers ({TE_KERNELS_FLAG}: a graph break each)"
+                if options.te_kernels
+                else f"TE norms ({traceable_norm_count(model_chunks)} in the model), the router "
+                "and RoPE"
+                + f" trace as torch code while compiling (inductor fuses them; {TE_KERNELS_FLAG} "
+                "keeps TE's kernels)"
+                + (
+                    f"; {attention_block_report(model_chunks)}"
+                    if _attention_block_applied()
+                    else ""
+                )
+                + permutation_report(model_chunks)
+            )
         )
         return model_chunks
 

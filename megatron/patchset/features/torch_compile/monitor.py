@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+
 
 def dynamo_stats() -> dict:
     """Process-wide dynamo counters: graphs, graph breaks (with reasons), frames, compile time.
@@ -26,7 +27,7 @@ def dynamo_stats() -> dict:
     }
 
 
-def _megatron_iteration() -> Optional[int]:
+def _megatron_iteration() -> int | None:
     """Megatron's ``args.curr_iteration`` (set before every train_step), None outside training."""
     try:
         from megatron.training.global_vars import get_args
@@ -49,12 +50,14 @@ class CompileMonitor:
     current iteration) to time the compile warm-up, switch the compiled layers to strict mode
     after it, and report dynamo's counters."""
 
-    def __init__(self, warmup_iters: int, iteration: Callable[[], Optional[int]] = _megatron_iteration):
+    def __init__(
+        self, warmup_iters: int, iteration: Callable[[], int | None] = _megatron_iteration
+    ):
         self.warmup_iters = warmup_iters
         self.iteration = iteration
         self.strict = False
-        self.first: Optional[tuple[int, float]] = None
-        self.current: Optional[int] = None
+        self.first: tuple[int, float] | None = None
+        self.current: int | None = None
         self.reports: list[dict] = []
         # Taken when the model is built: at exit the process group may be gone already.
         self.rank, self.world = _rank_and_world()
@@ -76,8 +79,10 @@ class CompileMonitor:
         done = iteration - self.first[0]
         seconds = now - self.first[1]
         if done == 1:
-            self._say(f"compile: first training iteration (compile warm-up) took {seconds:.1f} s, "
-                      f"dynamo/inductor compile time {dynamo_stats()['compile_s']:.1f} s")
+            self._say(
+                f"compile: first training iteration (compile warm-up) took {seconds:.1f} s, "
+                f"dynamo/inductor compile time {dynamo_stats()['compile_s']:.1f} s"
+            )
         if done == self.warmup_iters and not self.strict:
             self.report("warmup", iterations=done, seconds=seconds)
             self.strict = True
@@ -88,15 +93,25 @@ class CompileMonitor:
             stats["graphs_since_warmup"] = stats["graphs"] - self.reports[0]["graphs"]
             stats["frames_since_warmup"] = stats["frames"] - self.reports[0]["frames"]
         self.reports.append(stats)
-        reasons = "; ".join(f"{n}x {' '.join(r.split())[:200]}" for r, n in stats["graph_break_reasons"].items())
+        reasons = "; ".join(
+            f"{n}x {' '.join(r.split())[:200]}" for r, n in stats["graph_break_reasons"].items()
+        )
         self._say(
             f"compile: {phase}: {stats['graphs']} graphs, {stats['graph_breaks']} graph breaks, "
-            f"{stats['frames_ok']} of {stats['frames']} frames compiled (dynamo runs the others eagerly: "
-            f"TORCH_LOGS=graph_breaks says why), compile time {stats['compile_s']:.1f} s"
-            + (f" (after {extra['iterations']} iterations, {extra['seconds']:.1f} s; from now on a "
-               f"recompile of a compiled layer is an error)" if phase == "warmup" else "")
-            + (f"; since warm-up +{stats['graphs_since_warmup']} graphs, "
-               f"+{stats['frames_since_warmup']} frames" if "graphs_since_warmup" in stats else "")
+            f"{stats['frames_ok']} of {stats['frames']} frames compiled (dynamo runs the others "
+            f"eagerly: TORCH_LOGS=graph_breaks says why), compile time {stats['compile_s']:.1f} s"
+            + (
+                f" (after {extra['iterations']} iterations, {extra['seconds']:.1f} s; from now on "
+                "a recompile of a compiled layer is an error)"
+                if phase == "warmup"
+                else ""
+            )
+            + (
+                f"; since warm-up +{stats['graphs_since_warmup']} graphs, "
+                f"+{stats['frames_since_warmup']} frames"
+                if "graphs_since_warmup" in stats
+                else ""
+            )
             + (f"; breaks: {reasons}" if reasons else "")
         )
         self._record(stats)
@@ -117,4 +132,3 @@ class CompileMonitor:
         recorder = metrics.recorder()
         if recorder is not None and self.rank == self.world - 1:
             recorder.write({"compile": stats})
-

@@ -14,7 +14,6 @@ unfused path (index_add / scatter_add in the tokens' dtype).
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.core.registry import patch
@@ -24,7 +23,7 @@ from megatron.patchset.features.torch_compile.tracing import PERMUTE_TOPK, traci
 _TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 
 
-def permutation_topk(dispatcher) -> Optional[int]:
+def permutation_topk(dispatcher) -> int | None:
     """The router's k when every token of ``dispatcher`` routes to exactly k experts and its
     permutation is TE's fused one: the all-to-all dispatcher with --moe-permute-fusion, dropless
     (no capacity factor, no padding to capacity) and no routing-map padding for FP8/FP4."""
@@ -33,8 +32,12 @@ def permutation_topk(dispatcher) -> Optional[int]:
     if not isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
         return None
     config = dispatcher.config
-    if (not config.moe_permute_fusion or config.moe_expert_capacity_factor is not None
-            or config.moe_pad_expert_input_to_capacity or config.moe_router_padding_for_quantization):
+    if (
+        not config.moe_permute_fusion
+        or config.moe_expert_capacity_factor is not None
+        or config.moe_pad_expert_input_to_capacity
+        or config.moe_router_padding_for_quantization
+    ):
         return None
     return int(config.moe_router_topk)
 
@@ -45,7 +48,9 @@ def permutation_maps(routing_map, num_out_tokens: int):
     import torch
 
     num_tokens = routing_map.shape[0]
-    flat_order = torch.argsort(routing_map.T.reshape(-1), descending=True, stable=True)[:num_out_tokens]
+    flat_order = torch.argsort(routing_map.T.reshape(-1), descending=True, stable=True)[
+        :num_out_tokens
+    ]
     return flat_order, torch.remainder(flat_order, num_tokens)
 
 
@@ -114,7 +119,9 @@ def gather_permute(tokens, routing_map, probs, num_out_tokens: int, topk: int):
     the row map in the format of upstream's unfused permute (1-D)."""
     flat_order, token_of_row = permutation_maps(routing_map, num_out_tokens)
     gather, _ = row_functions()
-    permuted = gather.apply(tokens, token_of_row, rows_of_tokens(token_of_row, tokens.shape[0], topk))
+    permuted = gather.apply(
+        tokens, token_of_row, rows_of_tokens(token_of_row, tokens.shape[0], topk)
+    )
     permuted_probs = None if probs is None else probs.T.reshape(-1).index_select(0, flat_order)
     return permuted, permuted_probs, token_of_row
 
@@ -124,22 +131,50 @@ def sum_unpermute(permuted_tokens, token_of_row, restore_shape):
     num_tokens = restore_shape[0]
     _, sum_rows = row_functions()
     topk = token_of_row.shape[0] // num_tokens
-    return sum_rows.apply(permuted_tokens, rows_of_tokens(token_of_row, num_tokens, topk), token_of_row)
+    return sum_rows.apply(
+        permuted_tokens, rows_of_tokens(token_of_row, num_tokens, topk), token_of_row
+    )
 
 
 def _permute_factory(original):
     row_functions()  # classes are built here, not while dynamo traces
 
     @functools.wraps(original)
-    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False,
-                tokens_per_expert=None, align_size=0):
+    def permute(
+        tokens,
+        routing_map,
+        probs=None,
+        num_out_tokens=None,
+        fused=False,
+        drop_and_pad=False,
+        tokens_per_expert=None,
+        align_size=0,
+    ):
         topk = PERMUTE_TOPK[0]
-        if (topk and fused and not drop_and_pad and not align_size and tracing() and tokens.dim() == 2
-                and isinstance(num_out_tokens, int) and num_out_tokens == routing_map.shape[0] * topk):
-            permuted, permuted_probs, token_of_row = gather_permute(tokens, routing_map, probs, num_out_tokens, topk)
+        if (
+            topk
+            and fused
+            and not drop_and_pad
+            and not align_size
+            and tracing()
+            and tokens.dim() == 2
+            and isinstance(num_out_tokens, int)
+            and num_out_tokens == routing_map.shape[0] * topk
+        ):
+            permuted, permuted_probs, token_of_row = gather_permute(
+                tokens, routing_map, probs, num_out_tokens, topk
+            )
             return permuted, permuted_probs, token_of_row, None, tokens_per_expert
-        return original(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
-                        drop_and_pad=drop_and_pad, tokens_per_expert=tokens_per_expert, align_size=align_size)
+        return original(
+            tokens,
+            routing_map,
+            probs=probs,
+            num_out_tokens=num_out_tokens,
+            fused=fused,
+            drop_and_pad=drop_and_pad,
+            tokens_per_expert=tokens_per_expert,
+            align_size=align_size,
+        )
 
     return permute
 
@@ -148,33 +183,55 @@ def _unpermute_factory(original):
     row_functions()
 
     @functools.wraps(original)
-    def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None, fused=False,
-                  drop_and_pad=False, pad_offsets=None):
+    def unpermute(
+        permuted_tokens,
+        sorted_indices,
+        restore_shape,
+        probs=None,
+        routing_map=None,
+        fused=False,
+        drop_and_pad=False,
+        pad_offsets=None,
+    ):
         # A 1-D row map with fused=True comes only from gather_permute (TE's mask map is 2-D):
         # honour it eagerly too, should the permutation have been traced and this call not.
         if fused and sorted_indices.dim() == 1:
             if probs is not None or drop_and_pad or pad_offsets is not None:
-                raise PatchsetError(f"{PERMUTATION_PATCHES[1]}: a gathered permutation cannot be undone "
-                                    "with merging probabilities, drop-and-pad or padding offsets")
+                raise PatchsetError(
+                    f"{PERMUTATION_PATCHES[1]}: a gathered permutation cannot be undone with "
+                    "merging probabilities, drop-and-pad or padding offsets"
+                )
             return sum_unpermute(permuted_tokens, sorted_indices, restore_shape)
-        return original(permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
-                        fused=fused, drop_and_pad=drop_and_pad, pad_offsets=pad_offsets)
+        return original(
+            permuted_tokens,
+            sorted_indices,
+            restore_shape,
+            probs=probs,
+            routing_map=routing_map,
+            fused=fused,
+            drop_and_pad=drop_and_pad,
+            pad_offsets=pad_offsets,
+        )
 
     return unpermute
-
 
 
 PERMUTATION_PATCHES = ("compile.moe_permute_traceable", "compile.moe_unpermute_traceable")
 
 patch(
-    PERMUTATION_PATCHES[0], f"{_TOKEN_DISPATCHER}.permute",
-    reason="--moe-permute-fusion's TE permute is Triton launched from Python on every compiled layer's host "
-    "path: while compiling, the dropless all-to-all permutation as a gather inductor fuses (gradient: "
-    "each token's k rows summed in fp32, no atomics)",
-    enabled=traceable_permutation, flags=(FLAG, "--moe-permute-fusion"))(_permute_factory)
+    PERMUTATION_PATCHES[0],
+    f"{_TOKEN_DISPATCHER}.permute",
+    reason="--moe-permute-fusion's TE permute is Triton launched from Python on every compiled "
+    "layer's host path: while compiling, the dropless all-to-all permutation as a gather inductor "
+    "fuses (gradient: each token's k rows summed in fp32, no atomics)",
+    enabled=traceable_permutation,
+    flags=(FLAG, "--moe-permute-fusion"),
+)(_permute_factory)
 patch(
-    PERMUTATION_PATCHES[1], f"{_TOKEN_DISPATCHER}.unpermute",
-    reason="the inverse of compile.moe_permute_traceable: each token's k rows summed in fp32, as TE's "
-    "unpermute does; TE's row maps still go to TE",
-    enabled=traceable_permutation, flags=(FLAG, "--moe-permute-fusion"))(_unpermute_factory)
-
+    PERMUTATION_PATCHES[1],
+    f"{_TOKEN_DISPATCHER}.unpermute",
+    reason="the inverse of compile.moe_permute_traceable: each token's k rows summed in fp32, as "
+    "TE's unpermute does; TE's row maps still go to TE",
+    enabled=traceable_permutation,
+    flags=(FLAG, "--moe-permute-fusion"),
+)(_unpermute_factory)

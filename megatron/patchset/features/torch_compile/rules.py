@@ -31,16 +31,16 @@ def _compile_options(args):
     mode, backend = args.compile_transformer_layers_mode, args.compile_transformer_layers_backend
     if mode in CUDA_GRAPH_MODES:
         problems.append(
-            f"{MODE_FLAG} {mode} records inductor CUDA graph trees per compiled region, which "
-            f"this version does not support next to the eager MoE regions and megatron's own graphs "
-            f"(use default or max-autotune-no-cudagraphs; CUDA graphs: --cuda-graph-impl)"
+            f"{MODE_FLAG} {mode} records inductor CUDA graph trees per compiled region, which this "
+            "version does not support next to the eager MoE regions and megatron's own graphs "
+            "(use default or max-autotune-no-cudagraphs; CUDA graphs: --cuda-graph-impl)"
         )
     if mode != "default" and backend != "inductor":
         problems.append(f"{MODE_FLAG} {mode} is an inductor mode, but {BACKEND_FLAG} is {backend}")
     if args.compile_transformer_layers_warmup_iters < 1:
         problems.append(
             f"{WARMUP_FLAG} {args.compile_transformer_layers_warmup_iters} (at least 1: the first "
-            f"iteration compiles)"
+            "iteration compiles)"
         )
     return listed("", problems)
 
@@ -57,13 +57,14 @@ def _compile_not_graphed(args):
     problems = []
     if args.cuda_graph_impl != "none":
         problems.append(
-            f"--cuda-graph-impl {args.cuda_graph_impl} (megatron's capture calls the layers outside and "
-            f"around their forward, and a capture of compiled code with eager MoE regions is untested)"
+            f"--cuda-graph-impl {args.cuda_graph_impl} (megatron's capture calls the layers "
+            "outside and around their forward, and a capture of compiled code with eager MoE "
+            "regions is untested)"
         )
     if args.overlap_moe_expert_parallel_comm:
         problems.append(
-            "--overlap-moe-expert-parallel-comm (its schedule plan calls the layers' attention and MLP "
-            "parts directly, so the compiled forward would never run)"
+            "--overlap-moe-expert-parallel-comm (its schedule plan calls the layers' attention "
+            "and MLP parts directly, so the compiled forward would never run)"
         )
     return listed(f"{FLAG} cannot be combined with: ", problems)
 
@@ -71,8 +72,12 @@ def _compile_not_graphed(args):
 @rule(
     "compile-transformer-layers-hooks",
     phase="layout",
-    flags=(FLAG, "--overlap-param-gather", "--megatron-fsdp-enable-fine-grained-param-gather",
-           "--nvtx-ranges"),
+    flags=(
+        FLAG,
+        "--overlap-param-gather",
+        "--megatron-fsdp-enable-fine-grained-param-gather",
+        "--nvtx-ranges",
+    ),
 )
 def _compile_hooks(args):
     """Hooks on every submodule would run inside the compiled layer, one graph break each."""
@@ -82,16 +87,18 @@ def _compile_hooks(args):
     fsdp = getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)
     if getattr(args, "overlap_param_gather", False) and not fsdp:
         problems.append(
-            "--overlap-param-gather (DDP then waits for parameter all-gathers in a forward pre-hook on "
-            "every submodule, inside the compiled layer; drop it, or use --use-megatron-fsdp, whose "
-            "hooks sit on whole layers)"
+            "--overlap-param-gather (DDP then waits for parameter all-gathers in a forward "
+            "pre-hook on every submodule, inside the compiled layer; drop it, or use "
+            "--use-megatron-fsdp, whose hooks sit on whole layers)"
         )
     if getattr(args, "megatron_fsdp_enable_fine_grained_param_gather", False):
-        problems.append("--megatron-fsdp-enable-fine-grained-param-gather (hooks on every submodule)")
+        problems.append(
+            "--megatron-fsdp-enable-fine-grained-param-gather (hooks on every submodule)"
+        )
     if getattr(args, "nvtx_ranges", False):
         problems.append(
-            "--nvtx-ranges (the ranges inspect Python frames inside the layer, and switching them on at "
-            "--profile-step-start recompiles every layer after warm-up)"
+            "--nvtx-ranges (the ranges inspect Python frames inside the layer, and switching them "
+            "on at --profile-step-start recompiles every layer after warm-up)"
         )
     return listed(f"{FLAG} cannot be combined with: ", problems)
 
@@ -109,10 +116,10 @@ def _compile_recompute(args, config):
     if inside:
         return (
             f"{FLAG} with --recompute-granularity selective --recompute-modules "
-            f"{' '.join(args.recompute_modules or ['core_attn'])}: {', '.join(inside)} checkpoint inside "
-            f"the compiled layer, a graph break at every boundary with the checkpointed part compiled "
-            f"twice. Use --recompute-granularity full (checkpoints around the compiled layer) or "
-            f"--recompute-modules moe_act (inside the eager expert region)."
+            f"{' '.join(args.recompute_modules or ['core_attn'])}: {', '.join(inside)} checkpoint "
+            "inside the compiled layer, a graph break at every boundary with the checkpointed "
+            "part compiled twice. Use --recompute-granularity full (checkpoints around the "
+            "compiled layer) or --recompute-modules moe_act (inside the eager expert region)."
         )
     return None
 
@@ -127,8 +134,8 @@ def _compile_force_biased(args):
     if not requested(args) or getattr(args, "moe_router_force_biased", None) is None:
         return None
     return (
-        f"{FLAG} with --moe-router-force-biased {args.moe_router_force_biased}: the router draws its "
-        f"random bias inside the RNG tracker's fork (CUDA RNG state reads that dynamo does not trace) within "
-        f"the MoE layer's try block, so dynamo would run the whole MoE body eagerly. Drop one of the two "
-        f"(--moe-router-force-load-balancing is supported)."
+        f"{FLAG} with --moe-router-force-biased {args.moe_router_force_biased}: the router draws "
+        "its random bias inside the RNG tracker's fork (CUDA RNG state reads that dynamo does not "
+        "trace) within the MoE layer's try block, so dynamo would run the whole MoE body eagerly. "
+        "Drop one of the two (--moe-router-force-load-balancing is supported)."
     )

@@ -14,7 +14,6 @@ kernels inside the compiled layers too.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.core.registry import patch
@@ -43,24 +42,33 @@ def _register_unfused_while_compiling(name: str, function: str, reason: str) -> 
 
         return unfused_while_compiling
 
-    patch(name, f"{_ROUTER}.{function}", reason=reason, enabled=traceable_router,
-                  flags=(FLAG, "--moe-router-fusion"))(factory)
-
+    patch(
+        name,
+        f"{_ROUTER}.{function}",
+        reason=reason,
+        enabled=traceable_router,
+        flags=(FLAG, "--moe-router-fusion"),
+    )(factory)
 
 
 _register_unfused_while_compiling(
-    "compile.router_topk_traceable", "topk_routing_with_score_function",
+    "compile.router_topk_traceable",
+    "topk_routing_with_score_function",
     "--moe-router-fusion's TE top-k kernel is two graph breaks per compiled layer (pybind call, "
-    "int() of a pybind enum): while compiling, megatron's unfused top-k, which inductor fuses")
+    "int() of a pybind enum): while compiling, megatron's unfused top-k, which inductor fuses",
+)
 _register_unfused_while_compiling(
-    "compile.router_aux_scores_traceable", "compute_routing_scores_for_aux_loss",
-    "--moe-router-fusion's TE aux-loss score kernel is two graph breaks per compiled layer: "
-    "while compiling, megatron's unfused scores")
+    "compile.router_aux_scores_traceable",
+    "compute_routing_scores_for_aux_loss",
+    "--moe-router-fusion's TE aux-loss score kernel is two graph breaks per compiled layer: while "
+    "compiling, megatron's unfused scores",
+)
 _register_unfused_while_compiling(
-    "compile.router_aux_loss_traceable", "switch_load_balancing_loss_func",
+    "compile.router_aux_loss_traceable",
+    "switch_load_balancing_loss_func",
     "--moe-router-fusion's TE aux-loss kernel is a graph break per compiled layer: while "
-    "compiling, megatron's unfused loss")
-
+    "compiling, megatron's unfused loss",
+)
 
 
 def gating_linear_function():
@@ -125,21 +133,35 @@ def _router_gating_factory(original):
 )
 def _rope_factory(original):
     @functools.wraps(original)
-    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
-                             mla_rotary_interleaved=False):
+    def apply_rotary_pos_emb(
+        t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, mla_rotary_interleaved=False
+    ):
         # Upstream's fused path is taken only without mRoPE, mscale and MLA interleaving; the
         # others already run unfused (and traceable) there.
-        if (config.apply_rope_fusion and cu_seqlens is None and mscale == 1.0
-                and getattr(config, "mrope_section", None) is None and not mla_rotary_interleaved
-                and tracing()):
+        if (
+            config.apply_rope_fusion
+            and cu_seqlens is None
+            and mscale == 1.0
+            and getattr(config, "mrope_section", None) is None
+            and not mla_rotary_interleaved
+            and tracing()
+        ):
             from megatron.core.models.common.embeddings import rope_utils
 
             # In fp32, as TE's fused kernel computes (upstream's unfused path rounds cos/sin to
             # the input's dtype): inductor fuses the casts.
             return rope_utils._apply_rotary_pos_emb_bshd(
-                t.float(), freqs, rotary_interleaved=config.rotary_interleaved).to(t.dtype)
-        return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group,
-                        mla_rotary_interleaved=mla_rotary_interleaved)
+                t.float(), freqs, rotary_interleaved=config.rotary_interleaved
+            ).to(t.dtype)
+        return original(
+            t,
+            freqs,
+            config,
+            cu_seqlens=cu_seqlens,
+            mscale=mscale,
+            cp_group=cp_group,
+            mla_rotary_interleaved=mla_rotary_interleaved,
+        )
 
     return apply_rotary_pos_emb
 
@@ -150,22 +172,33 @@ def traceable_norm(x, weight, bias, eps: float, zero_centered_gamma: bool, rms: 
     bf16 weights, ``--fp32-residual-connection``, gives bf16 outputs, as TE's kernels do.)"""
     import torch
 
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight.dtype
+    dtype = (
+        torch.get_autocast_dtype(x.device.type)
+        if torch.is_autocast_enabled(x.device.type)
+        else weight.dtype
+    )
     x32 = x.to(dtype).float()
     scale = weight.float() + 1.0 if zero_centered_gamma else weight.float()
     if rms:
         y = x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + eps) * scale
     else:
-        y = torch.nn.functional.layer_norm(x32, (x.shape[-1],), scale,
-                                           None if bias is None else bias.float(), eps)
+        y = torch.nn.functional.layer_norm(
+            x32, (x.shape[-1],), scale, None if bias is None else bias.float(), eps
+        )
     return y.to(dtype)
 
 
 def _norm_forward(self, inp):
     """Instance ``forward`` of a TE norm built through the TE spec: traceable while compiling."""
     if tracing():
-        return traceable_norm(inp, self.weight, getattr(self, "bias", None), float(self.eps),
-                              bool(self.zero_centered_gamma), self.__megatron_patchset_rms__)
+        return traceable_norm(
+            inp,
+            self.weight,
+            getattr(self, "bias", None),
+            float(self.eps),
+            bool(self.zero_centered_gamma),
+            self.__megatron_patchset_rms__,
+        )
     return type(self).forward(self, inp)
 
 
@@ -177,7 +210,7 @@ def te_norm_classes() -> tuple:
     return te.RMSNorm, te.LayerNorm
 
 
-def make_norm_traceable(norm, classes: Optional[tuple] = None):
+def make_norm_traceable(norm, classes: tuple | None = None):
     """Give ``norm`` (an exact TE ``RMSNorm`` / ``LayerNorm``) the traceable instance forward;
     other modules (the fused-residual RMSNorm, apex, torch norms) are returned unchanged."""
     import types
@@ -188,8 +221,10 @@ def make_norm_traceable(norm, classes: Optional[tuple] = None):
     missing = [a for a in ("eps", "zero_centered_gamma", "weight") if not hasattr(norm, a)]
     if missing:
         raise PatchsetError(
-            f"{FLAG}: {type(norm).__qualname__} has no {', '.join(missing)}; this TransformerEngine "
-            f"moved them. Run with {TE_KERNELS_FLAG} to keep TE's norm kernels inside compiled layers.")
+            f"{FLAG}: {type(norm).__qualname__} has no {', '.join(missing)}; this "
+            f"TransformerEngine moved them. Run with {TE_KERNELS_FLAG} to keep TE's norm kernels "
+            "inside compiled layers."
+        )
     norm.__megatron_patchset_rms__ = type(norm) is rms_class
     norm.forward = types.MethodType(_norm_forward, norm)
     return norm
@@ -199,8 +234,8 @@ def make_norm_traceable(norm, classes: Optional[tuple] = None):
     "compile.te_norm_traceable",
     "megatron.core.extensions.transformer_engine_spec_provider.TENorm",
     reason="the TE spec's q/k and pre-MLP norms are TE RMSNorm/LayerNorm modules whose kernels "
-    "are pybind calls, a graph break each in every compiled layer: while compiling, the same "
-    "norm in torch ops (fp32, as TE computes it)",
+    "are pybind calls, a graph break each in every compiled layer: while compiling, the same norm "
+    "in torch ops (fp32, as TE computes it)",
     enabled=traceable_substitutes,
 )
 def _te_norm_factory(original):
@@ -212,7 +247,6 @@ def _te_norm_factory(original):
 
     TENorm.__qualname__ = TENorm.__name__ = original.__name__
     return TENorm
-
 
 
 # Applied with every compilation unless --compile-transformer-layers-te-kernels (the router

@@ -41,4 +41,3 @@ def _te_context_checks() -> tuple:
 def te_context_plain() -> bool:
     """No FP8/FP4 autocast entered and no TE CPU offloading active (True without TE)."""
     return not any(check() for check in _te_context_checks())
-

@@ -22,16 +22,29 @@ import sys
 
 import pytest
 
-from tests.gpu.conftest import ROOT, launch, tiny_argv
 from megatron.patchset.features.flex_dispatch import probes
+from tests.gpu.conftest import ROOT, launch, tiny_argv
 
 pytestmark = pytest.mark.gpu
 ITERS = 20
 FIRST_REL_TOL = 2e-3
 REL_TOL = 1e-2
-COMMON = ("--expert-model-parallel-size", "2", "--train-iters", str(ITERS), "--moe-router-dtype", "fp32")
-NCCLEP = ("--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "ncclep",
-          "--moe-expert-rank-capacity-factor", "2.0")
+COMMON = (
+    "--expert-model-parallel-size",
+    "2",
+    "--train-iters",
+    str(ITERS),
+    "--moe-router-dtype",
+    "fp32",
+)
+NCCLEP = (
+    "--moe-token-dispatcher-type",
+    "flex",
+    "--moe-flex-dispatcher-backend",
+    "ncclep",
+    "--moe-expert-rank-capacity-factor",
+    "2.0",
+)
 DEEPEP = ("--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep")
 
 _BASELINE: dict = {}
@@ -51,11 +64,15 @@ def compare(reference, run):
     rel = [abs(x - y) / abs(x) for x, y in zip(a, b)]
     assert rel[0] <= FIRST_REL_TOL, (rel[0], a[0], b[0])
     worst = max(range(ITERS), key=lambda i: rel[i])
-    assert rel[worst] <= REL_TOL, f"iteration {worst + 1}: {a[worst]} vs {b[worst]} (rel {rel[worst]:.2e})"
+    assert rel[worst] <= REL_TOL, (
+        f"iteration {worst + 1}: {a[worst]} vs {b[worst]} (rel {rel[worst]:.2e})"
+    )
     assert b[-1] < b[0] - 1.0  # it learns
-    print(f"\n{run.name} vs all-to-all over {ITERS} iterations: max rel loss diff {rel[worst]:.2e} "
-          f"(it {worst + 1}); last loss {b[-1]:.4f} vs {a[-1]:.4f}; median step {run.step_ms():.1f} ms "
-          f"vs {reference.step_ms():.1f} ms")
+    print(
+        f"\n{run.name} vs all-to-all over {ITERS} iterations: max rel loss diff {rel[worst]:.2e} "
+        f"(it {worst + 1}); last loss {b[-1]:.4f} vs {a[-1]:.4f}; median step {run.step_ms():.1f} "
+        f"ms vs {reference.step_ms():.1f} ms"
+    )
 
 
 def announced(run, backend):
@@ -66,7 +83,9 @@ def announced(run, backend):
 @pytest.mark.gpus(2)
 def test_deepep_matches_alltoall(tmp_path):
     if importlib.util.find_spec("deep_ep") is None:
-        pytest.skip("deep_ep is not importable: build it with tools/build_deepep.sh (docs/deepep.md)")
+        pytest.skip(
+            "deep_ep is not importable: build it with tools/build_deepep.sh (docs/deepep.md)"
+        )
     run = launch(tmp_path, "flex_deepep", 2, tiny_argv(*COMMON, *DEEPEP))
     assert announced(run, "deepep"), "the run did not build DeepEP's dispatcher"
     compare(alltoall(tmp_path), run)
@@ -107,15 +126,35 @@ def test_ncclep_on_old_nccl_fails_fast(tmp_path):
     NCCL versions, before any model is built; it does not train with another dispatcher."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    probe = subprocess.run([sys.executable, "-c", "import torch; from megatron.patchset import token_dispatcher as f; "
-                            "print(f.nccl_runtime_version() >= f.NCCL_EP_MIN_NCCL)"],
-                           env=env, capture_output=True, text=True, cwd=ROOT)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch; from megatron.patchset import token_dispatcher as f; "
+            "print(f.nccl_runtime_version() >= f.NCCL_EP_MIN_NCCL)",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if probe.stdout.strip() != "False":
-        pytest.skip(f"torch's own NCCL is new enough here ({probe.stdout.strip()} {probe.stderr[-200:]})")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "pretrain_gpt.py"), *tiny_argv(*COMMON, *NCCLEP)]
+        pytest.skip(
+            f"torch's own NCCL is new enough here ({probe.stdout.strip()} {probe.stderr[-200:]})"
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *tiny_argv(*COMMON, *NCCLEP),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "[flex-backend-installed]" in out and "2.32.3" in out and "LD_PRELOAD" in out, out[-3000:]
+    assert "[flex-backend-installed]" in out and "2.32.3" in out and "LD_PRELOAD" in out, out[
+        -3000:
+    ]
     assert " iteration " not in out

@@ -18,15 +18,36 @@ import os
 
 import pytest
 
-from tests.gpu.conftest import ROOT, UPSTREAM_SCRIPT, first_difference, gpu_count, launch_many, tiny_argv
+from tests.gpu.conftest import (
+    ROOT,
+    UPSTREAM_SCRIPT,
+    first_difference,
+    gpu_count,
+    launch_many,
+    tiny_argv,
+)
 
 pytestmark = pytest.mark.gpu
 
 ITERS = 13
 WARMUP = 3
-FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-        "--ckpt-format", "fsdp_dtensor", "--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail")
-NUMERICS = ("--deterministic-mode", "--te-rng-tracker", "--attention-dropout", "0", "--hidden-dropout", "0")
+FSDP = (
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "optim_grads_params",
+    "--ckpt-format",
+    "fsdp_dtensor",
+    "--fsdp-double-buffer",
+    "--fsdp-db-use-persist-buf-on-alloc-fail",
+)
+NUMERICS = (
+    "--deterministic-mode",
+    "--te-rng-tracker",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+)
 SCOPES = {
     "attn": ("attn",),
     "attn_router_preprocess": ("attn", "moe_router", "moe_preprocess"),
@@ -45,8 +66,14 @@ def argv(layout, scope=None):
     _, extra = LAYOUTS[layout]
     args = tiny_argv("--train-iters", str(ITERS), *NUMERICS, *FSDP, *extra)
     if scope is not None:
-        args += ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-warmup-steps", str(WARMUP),
-                 "--cuda-graph-modules", *SCOPES[scope]]
+        args += [
+            "--cuda-graph-impl",
+            "transformer_engine",
+            "--cuda-graph-warmup-steps",
+            str(WARMUP),
+            "--cuda-graph-modules",
+            *SCOPES[scope],
+        ]
     return args
 
 
@@ -58,36 +85,63 @@ def runs(tmp_path_factory):
     for layout, (nproc, _) in LAYOUTS.items():
         if gpu_count() < nproc:
             continue
-        jobs.append(dict(tmp_path=tmp, name=f"eager_{layout}", nproc=nproc, argv=argv(layout), env=ENV))
+        jobs.append(
+            dict(tmp_path=tmp, name=f"eager_{layout}", nproc=nproc, argv=argv(layout), env=ENV)
+        )
         for scope in SCOPES:
-            jobs.append(dict(tmp_path=tmp, name=f"graphs_{layout}_{scope}", nproc=nproc,
-                             argv=argv(layout, scope), env=ENV))
+            jobs.append(
+                dict(
+                    tmp_path=tmp,
+                    name=f"graphs_{layout}_{scope}",
+                    nproc=nproc,
+                    argv=argv(layout, scope),
+                    env=ENV,
+                )
+            )
     if os.path.exists(UPSTREAM_SCRIPT):
-        jobs.append(dict(tmp_path=tmp, name="graphs_1gpu_attn_upstream", nproc=1, argv=argv("1gpu", "attn"),
-                         env=ENV, entry=[os.path.join(ROOT, "tools", "run_upstream.py"), UPSTREAM_SCRIPT],
-                         check=False))
+        jobs.append(
+            dict(
+                tmp_path=tmp,
+                name="graphs_1gpu_attn_upstream",
+                nproc=1,
+                argv=argv("1gpu", "attn"),
+                env=ENV,
+                entry=[os.path.join(ROOT, "tools", "run_upstream.py"), UPSTREAM_SCRIPT],
+                check=False,
+            )
+        )
     return launch_many(jobs)
 
 
 @pytest.mark.parametrize("scope", list(SCOPES))
-@pytest.mark.parametrize("layout", [
-    pytest.param("1gpu", marks=pytest.mark.gpus(1)),
-    pytest.param("dp2", marks=pytest.mark.gpus(2)),
-    pytest.param("ep2", marks=pytest.mark.gpus(2)),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param("1gpu", marks=pytest.mark.gpus(1)),
+        pytest.param("dp2", marks=pytest.mark.gpus(2)),
+        pytest.param("ep2", marks=pytest.mark.gpus(2)),
+    ],
+)
 def test_fsdp_partial_graphs_match_eager_bitwise(runs, layout, scope):
     eager, graphed = runs[f"eager_{layout}"], runs[f"graphs_{layout}_{scope}"]
     log = graphed.log_text()
     # The fork's capture ran (hooks rerouted to TE) before the replayed iterations.
-    assert "megatron-patchset: CUDA graph capture with Megatron-FSDP" in log, "capture log line missing"
+    assert "megatron-patchset: CUDA graph capture with Megatron-FSDP" in log, (
+        "capture log line missing"
+    )
     assert "Modules must not have hooks" not in log
     assert len(eager.losses) == len(graphed.losses) == ITERS
     assert first_difference(eager.losses, graphed.losses) is None, (
-        f"losses differ at {first_difference(eager.losses, graphed.losses)}")
+        f"losses differ at {first_difference(eager.losses, graphed.losses)}"
+    )
     assert first_difference(eager.grad_norms, graphed.grad_norms) is None, (
-        f"grad norms differ at {first_difference(eager.grad_norms, graphed.grad_norms)}")
-    print(f"\n{layout} {scope}: {ITERS} iterations bit-identical to eager FSDP ({ITERS - WARMUP} replayed); "
-          f"losses {graphed.losses[0]!r} ... {graphed.losses[-1]!r}; last grad norm {graphed.grad_norms[-1]!r}")
+        f"grad norms differ at {first_difference(eager.grad_norms, graphed.grad_norms)}"
+    )
+    print(
+        f"\n{layout} {scope}: {ITERS} iterations bit-identical to eager FSDP ({ITERS - WARMUP} "
+        f"replayed); losses {graphed.losses[0]!r} ... {graphed.losses[-1]!r}; last grad norm "
+        f"{graphed.grad_norms[-1]!r}"
+    )
 
 
 @pytest.mark.gpus(1)
@@ -98,12 +152,20 @@ def test_unpatched_upstream_fails_or_diverges(runs):
     eager, upstream = runs["eager_1gpu"], runs["graphs_1gpu_attn_upstream"]
     log = upstream.log_text()
     if upstream.returncode != 0:
-        errors = sorted({line.strip()[:300] for line in log.splitlines()
-                         if ("Error" in line or "error" in line) and "error_injection" not in line
-                         and "error-injection" not in line})[:6]
+        errors = sorted(
+            {
+                line.strip()[:300]
+                for line in log.splitlines()
+                if ("Error" in line or "error" in line)
+                and "error_injection" not in line
+                and "error-injection" not in line
+            }
+        )[:6]
         print(f"\nunpatched upstream: exit code {upstream.returncode}; errors: {errors}")
         assert errors, "upstream failed without an error message"
     else:
         diff = first_difference(eager.losses, upstream.losses)
         print(f"\nunpatched upstream ran; first loss difference vs eager: {diff}")
-        assert diff is not None, "unpatched upstream matched eager: the negative control shows nothing"
+        assert diff is not None, (
+            "unpatched upstream matched eager: the negative control shows nothing"
+        )

@@ -18,8 +18,8 @@ import math
 
 import pytest
 
-from tests.gpu.conftest import first_difference, gpu_count, launch_many, tiny_argv
 from megatron.patchset.features.grouped_mm import linears
+from tests.gpu.conftest import first_difference, gpu_count, launch_many, tiny_argv
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +32,16 @@ LOSS_ATOL = 2e-2
 GRAD_NORM_RTOL = 5e-2
 TORCH_IMPL = ("--moe-grouped-gemm-impl", "torch")
 NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
-GRAPHS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router",
-          "moe_preprocess", "--cuda-graph-warmup-steps", "2")
+GRAPHS = (
+    "--cuda-graph-impl",
+    "transformer_engine",
+    "--cuda-graph-modules",
+    "attn",
+    "moe_router",
+    "moe_preprocess",
+    "--cuda-graph-warmup-steps",
+    "2",
+)
 
 
 def skewed_splits(torch, seed=0):
@@ -41,7 +49,9 @@ def skewed_splits(torch, seed=0):
     gen = torch.Generator().manual_seed(seed)
     weights = 1.0 / torch.arange(1, EXPERTS + 1, dtype=torch.float64) ** 0.8
     weights[-8:] = 0
-    counts = torch.bincount(torch.multinomial(weights, TOKENS, replacement=True, generator=gen), minlength=EXPERTS)
+    counts = torch.bincount(
+        torch.multinomial(weights, TOKENS, replacement=True, generator=gen), minlength=EXPERTS
+    )
     return counts.tolist()
 
 
@@ -57,8 +67,13 @@ def test_gemms_match_transformer_engine():
     torch.manual_seed(0)
     splits = skewed_splits(torch)
     assert 0 in splits and sum(splits) == TOKENS
-    te_linear = te.GroupedLinear(EXPERTS, IN, OUT, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    weights = [torch.nn.Parameter(getattr(te_linear, f"weight{i}").detach().clone()) for i in range(EXPERTS)]
+    te_linear = te.GroupedLinear(
+        EXPERTS, IN, OUT, bias=False, params_dtype=torch.bfloat16, device="cuda"
+    )
+    weights = [
+        torch.nn.Parameter(getattr(te_linear, f"weight{i}").detach().clone())
+        for i in range(EXPERTS)
+    ]
     x = torch.randn(TOKENS, IN, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(TOKENS, OUT, device="cuda", dtype=torch.bfloat16)
 
@@ -71,8 +86,11 @@ def test_gemms_match_transformer_engine():
     errors = {
         "output": relative_error(out, out_te),
         "input grad": relative_error(x_ours.grad, x_te.grad),
-        "weight grad": max(relative_error(w.grad, getattr(te_linear, f"weight{i}").grad)
-                           for i, w in enumerate(weights) if splits[i]),
+        "weight grad": max(
+            relative_error(w.grad, getattr(te_linear, f"weight{i}").grad)
+            for i, w in enumerate(weights)
+            if splits[i]
+        ),
     }
     print(f"\nrelative max error vs TE GroupedLinear: {errors}")
     assert all(e < 1e-2 for e in errors.values()), errors
@@ -84,10 +102,15 @@ def test_gemms_match_transformer_engine():
         w.main_grad = torch.ones(w.shape, dtype=torch.float32, device="cuda")
         w.grad_added_to_main_grad = False
     linears.grouped_mm(x, splits, weights, fuse_accumulation=True).backward(dy)
-    worst = max(relative_error(w.main_grad - 1, getattr(te_linear, f"weight{i}").grad)
-                for i, w in enumerate(weights) if splits[i])
-    print(f"main_grad accumulation: relative max error {worst:.2e}; fp32 wgrad from the GEMM: "
-          f"{linears._fp32_wgrad_supported.get('cuda')}")
+    worst = max(
+        relative_error(w.main_grad - 1, getattr(te_linear, f"weight{i}").grad)
+        for i, w in enumerate(weights)
+        if splits[i]
+    )
+    print(
+        f"main_grad accumulation: relative max error {worst:.2e}; fp32 wgrad from the GEMM: "
+        f"{linears._fp32_wgrad_supported.get('cuda')}"
+    )
     assert worst < 1e-2
     assert all(w.grad_added_to_main_grad for w in weights)
 
@@ -109,8 +132,13 @@ def test_one_launch_per_gemm_instead_of_one_per_expert():
     import transformer_engine.pytorch as te
 
     splits = skewed_splits(torch, seed=1)
-    te_linear = te.GroupedLinear(EXPERTS, IN, OUT, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    weights = [torch.nn.Parameter(getattr(te_linear, f"weight{i}").detach().clone()) for i in range(EXPERTS)]
+    te_linear = te.GroupedLinear(
+        EXPERTS, IN, OUT, bias=False, params_dtype=torch.bfloat16, device="cuda"
+    )
+    weights = [
+        torch.nn.Parameter(getattr(te_linear, f"weight{i}").detach().clone())
+        for i in range(EXPERTS)
+    ]
     x = torch.randn(TOKENS, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(TOKENS, OUT, device="cuda", dtype=torch.bfloat16)
     # As under megatron's DDP: fp32 main grads back to back in one buffer, in reverse order.
@@ -126,16 +154,27 @@ def test_one_launch_per_gemm_instead_of_one_per_expert():
         linears.grouped_mm(x, splits, weights, fuse_accumulation=True).backward(dy)
 
     our_kernels = kernels_launched(torch, ours)
-    print(f"\nGPU kernels for one forward + backward of {EXPERTS} experts: TE {te_kernels}, torch grouped_mm "
-          f"{our_kernels} (weight gradients into DDP-style main grads)")
+    print(
+        f"\nGPU kernels for one forward + backward of {EXPERTS} experts: TE {te_kernels}, torch "
+        f"grouped_mm {our_kernels} (weight gradients into DDP-style main grads)"
+    )
     assert te_kernels >= 3 * (EXPERTS - 8)  # TE on Hopper: a GEMM per non-empty expert, three times
     assert our_kernels <= 40
 
 
 PERMUTE_FUSION = ("--moe-permute-fusion",)
-NO_NAN_CHECK = ("--no-check-for-nan-in-loss-and-grad",)  # megatron requires it for full-iteration graphs
+NO_NAN_CHECK = (
+    "--no-check-for-nan-in-loss-and-grad",
+)  # megatron requires it for full-iteration graphs
 SPLITS = ("--moe-expert-splits-on-device",)
-FULL_GRAPH = ("--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2", "--logging-level", "20")
+FULL_GRAPH = (
+    "--cuda-graph-impl",
+    "full_iteration",
+    "--cuda-graph-warmup-steps",
+    "2",
+    "--logging-level",
+    "20",
+)
 CAPTURED = "CUDA graph capture done for training"
 EP2 = ("--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce")
 
@@ -148,7 +187,13 @@ LAYOUTS = {
     "splits_1gpu": (1, PERMUTE_FUSION + NO_NAN_CHECK, TORCH_IMPL + SPLITS),
     "full_graph_1gpu": (1, PERMUTE_FUSION + NO_NAN_CHECK, TORCH_IMPL + SPLITS + FULL_GRAPH),
 }
-DETERMINISTIC = ("--deterministic-mode", "--te-rng-tracker") + PERMUTE_FUSION + NO_NAN_CHECK + TORCH_IMPL + SPLITS
+DETERMINISTIC = (
+    ("--deterministic-mode", "--te-rng-tracker")
+    + PERMUTE_FUSION
+    + NO_NAN_CHECK
+    + TORCH_IMPL
+    + SPLITS
+)
 
 
 @pytest.fixture(scope="module")
@@ -175,15 +220,20 @@ def test_training_matches_te(runs, layout):
     te_run, ours = runs[f"{layout}_te"], runs[f"{layout}_torch"]
     assert len(te_run.losses) == len(ours.losses) == ITERS
     assert all(math.isfinite(x) for x in ours.losses)
-    assert "megatron-patchset: experts' GroupedMMColumnParallelGroupedLinear runs" in ours.log_text()
+    assert (
+        "megatron-patchset: experts' GroupedMMColumnParallelGroupedLinear runs" in ours.log_text()
+    )
     assert "GroupedMM" not in te_run.log_text()
     if "--cuda-graph-impl" in LAYOUTS[layout][2]:
         assert CAPTURED in ours.log_text()
     loss_diff = [abs(a - b) for a, b in zip(ours.losses, te_run.losses)]
     norm_diff = [abs(a - b) / b for a, b in zip(ours.grad_norms, te_run.grad_norms)]
-    print(f"\n{layout}: max |loss diff| {max(loss_diff):.5f} (first {loss_diff[0]:.5f}), max grad-norm rel "
-          f"diff {max(norm_diff):.4f}; loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}; "
-          f"median step TE {te_run.step_ms():.1f} ms, torch {ours.step_ms():.1f} ms (runs share the GPUs)")
+    print(
+        f"\n{layout}: max |loss diff| {max(loss_diff):.5f} (first {loss_diff[0]:.5f}), max "
+        f"grad-norm rel diff {max(norm_diff):.4f}; loss {ours.losses[0]:.3f} -> "
+        f"{ours.losses[-1]:.3f}; median step TE {te_run.step_ms():.1f} ms, torch "
+        f"{ours.step_ms():.1f} ms (runs share the GPUs)"
+    )
     assert loss_diff[0] < FIRST_LOSS_ATOL
     assert max(loss_diff) < LOSS_ATOL
     assert max(norm_diff) < GRAD_NORM_RTOL
@@ -197,8 +247,10 @@ def test_full_iteration_graph_replays_the_eager_step_bitwise(runs):
     eager, graphed = runs["det_eager"], runs["det_full_graph"]
     assert CAPTURED in graphed.log_text() and CAPTURED not in eager.log_text()
     assert len(eager.losses) == len(graphed.losses) == ITERS
-    print(f"\nfull-iteration graph vs eager, {ITERS} iterations: losses {eager.losses[0]:.6f} -> "
-          f"{eager.losses[-1]:.6f}; first difference {first_difference(graphed.losses, eager.losses)}")
+    print(
+        f"\nfull-iteration graph vs eager, {ITERS} iterations: losses {eager.losses[0]:.6f} -> "
+        f"{eager.losses[-1]:.6f}; first difference {first_difference(graphed.losses, eager.losses)}"
+    )
     assert first_difference(graphed.losses, eager.losses) is None
     assert first_difference(graphed.grad_norms, eager.grad_norms) is None
 
@@ -209,16 +261,34 @@ def test_upstream_cannot_capture_a_dropless_moe_step(tmp_path):
     device-to-host copy of the token counts (and TE's host split) fails the capture."""
     argv = tiny_argv("--train-iters", "6", *NO_DROPOUT, *PERMUTE_FUSION, *NO_NAN_CHECK, *FULL_GRAPH)
     # The fork's launcher refuses this combination before any GPU work; skip that one rule here.
-    env = {"MEGATRON_PATCHSET": "off", "MEGATRON_PATCHSET_SKIP_RULES": "full-iteration-graphs-dropless-moe"}
-    run = launch_many([dict(tmp_path=tmp_path, name="upstream_full_graph", nproc=1, argv=argv, env=env,
-                            check=False)], timeout=300)["upstream_full_graph"]
+    env = {
+        "MEGATRON_PATCHSET": "off",
+        "MEGATRON_PATCHSET_SKIP_RULES": "full-iteration-graphs-dropless-moe",
+    }
+    run = launch_many(
+        [
+            dict(
+                tmp_path=tmp_path,
+                name="upstream_full_graph",
+                nproc=1,
+                argv=argv,
+                env=env,
+                check=False,
+            )
+        ],
+        timeout=300,
+    )["upstream_full_graph"]
     log = run.log_text()
     errors = [line for line in log.splitlines() if "Error" in line or "captur" in line][-8:]
-    print(f"\nupstream full-iteration graph: exit {run.returncode}, {len(run.losses)} iterations; errors:\n"
-          + "\n".join(errors))
+    print(
+        f"\nupstream full-iteration graph: exit {run.returncode}, {len(run.losses)} iterations; "
+        "errors:\n" + "\n".join(errors)
+    )
     assert "rule full-iteration-graphs-dropless-moe skipped" in log
     assert run.returncode != 0
     assert len(run.losses) <= 2  # the two warm-up iterations at most; the capture is the third
     assert "Capture CUDA graph for training" in log and CAPTURED not in log
     # The dispatcher waits on its device-to-host event inside the capture.
-    assert "cudaErrorCapturedEvent" in log or "operation not permitted when stream is capturing" in log
+    assert (
+        "cudaErrorCapturedEvent" in log or "operation not permitted when stream is capturing" in log
+    )

@@ -51,41 +51,50 @@ def check_against_upstream(run, fork_modes, iterations):
     assert all(math.isfinite(x) for x in series("upstream", "loss"))
     assert series("upstream", "loss")[-1] < series("upstream", "loss")[0]
     assert reference[-1]["plan_runs"].get("TransformerModelChunkSchedulePlan", 0) > 0, (
-        "the upstream runs did not go through megatron's fine-grained schedule plan")
+        "the upstream runs did not go through megatron's fine-grained schedule plan"
+    )
     for key in ("loss", "grad"):
         diff = first_difference(series("upstream#2", key), series("upstream", key))
         assert diff is None, (
             f"upstream's own {key} differs between two identical runs at iteration "
             f"{diff[0] + 1 if diff else '?'} ({diff}): the reference is not deterministic on this "
-            f"machine, so bit-identity cannot be checked (see P2P_OVERLAP_DETERMINISTIC)")
+            "machine, so bit-identity cannot be checked (see P2P_OVERLAP_DETERMINISTIC)"
+        )
 
     for mode in fork_modes:
         records = modes[mode]
         assert len(records) == iterations, mode
         assert records[0]["model_class"] == "P2POverlapGPTModel", records[0]
         assert records[-1]["plan_runs"].get("P2POverlapChunkSchedulePlan", 0) > 0, (
-            f"{mode}: megatron's schedule did not run the fork's plan")
+            f"{mode}: megatron's schedule did not run the fork's plan"
+        )
         for key in ("loss", "grad"):
             diff = first_difference(series(mode, key), series("upstream", key))
             assert diff is None, (
                 f"{mode} (options {records[0]['options']}): {key} differs from upstream at "
-                f"iteration {diff[0] + 1}: {diff[1]!r} vs {diff[2]!r}")
+                f"iteration {diff[0] + 1}: {diff[1]!r} vs {diff[2]!r}"
+            )
     return series("upstream", "loss"), series("upstream", "grad")
 
 
 def deterministic():
     # torch deterministic algorithms, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, NCCL_ALGO=Ring
-    return ["--deterministic-mode"] if os.environ.get("P2P_OVERLAP_DETERMINISTIC", "1") != "0" else []
+    return (
+        ["--deterministic-mode"] if os.environ.get("P2P_OVERLAP_DETERMINISTIC", "1") != "0" else []
+    )
 
 
 @pytest.mark.gpus(2)
 def test_delayed_wgrad_layers_match_upstream_fine_grained_schedule(tmp_path):
     argv = tiny_argv(
-        "--expert-model-parallel-size", "2",
+        "--expert-model-parallel-size",
+        "2",
         "--overlap-moe-expert-parallel-comm",
         "--delay-wgrad-compute",
-        "--train-iters", str(ITERATIONS),
-        "--global-batch-size", "32",  # 4 micro-batches per step: 3 overlapped f/b steps
+        "--train-iters",
+        str(ITERATIONS),
+        "--global-batch-size",
+        "32",  # 4 micro-batches per step: 3 overlapped f/b steps
         *deterministic(),
     )
     env = {
@@ -95,8 +104,10 @@ def test_delayed_wgrad_layers_match_upstream_fine_grained_schedule(tmp_path):
     }
     run = launch(tmp_path, "p2p_overlap_ep2", 2, argv, env=env, entry=[HARNESS])
     losses, grads = check_against_upstream(run, FORK_MODES, ITERATIONS)
-    print(f"\nfork == upstream for {ITERATIONS} iterations in modes {', '.join(FORK_MODES)}: "
-          f"last loss {losses[-1]!r}, grad norm {grads[-1]!r}; {run.seconds:.0f} s")
+    print(
+        f"\nfork == upstream for {ITERATIONS} iterations in modes {', '.join(FORK_MODES)}: last "
+        f"loss {losses[-1]!r}, grad norm {grads[-1]!r}; {run.seconds:.0f} s"
+    )
 
 
 # Four GPUs: PP=2 with two model chunks per rank (VPP=2), EP=2 across the two DP replicas of each
@@ -104,11 +115,11 @@ def test_delayed_wgrad_layers_match_upstream_fine_grained_schedule(tmp_path):
 # Each option on its own (the other two at upstream's values: delayed layers 1 is upstream's
 # own deferral of the last backward layer's attention weight gradient), then all together.
 PP_FORK_MODES = (
-    "fork:1:comm",       # --overlap-p2p-backward-on-comm-stream
-    "fork:1",            # --overlap-p2p-wgrad-delayed-layer-number 1
-    "fork:2",            # ... 2
-    "fork:all",          # ... all (3, the chunk's layers)
-    "fork:1:tl",         # --overlap-p2p-with-transformer-layer-wgrad
+    "fork:1:comm",  # --overlap-p2p-backward-on-comm-stream
+    "fork:1",  # --overlap-p2p-wgrad-delayed-layer-number 1
+    "fork:2",  # ... 2
+    "fork:all",  # ... all (3, the chunk's layers)
+    "fork:1:tl",  # --overlap-p2p-with-transformer-layer-wgrad
     "fork:all:tl:comm",  # all three
 )
 
@@ -116,15 +127,22 @@ PP_FORK_MODES = (
 @pytest.mark.gpus(4)
 def test_p2p_overlap_options_match_upstream_with_interleaved_pipeline(tmp_path):
     argv = tiny_argv(
-        "--num-layers", "12",
-        "--pipeline-model-parallel-size", "2",
-        "--num-layers-per-virtual-pipeline-stage", "3",
-        "--expert-model-parallel-size", "2",
+        "--num-layers",
+        "12",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "3",
+        "--expert-model-parallel-size",
+        "2",
         "--overlap-moe-expert-parallel-comm",
         "--delay-wgrad-compute",
-        "--train-iters", str(ITERATIONS),
-        "--micro-batch-size", "2",
-        "--global-batch-size", "32",  # DP=2: 8 micro-batches per step and replica
+        "--train-iters",
+        str(ITERATIONS),
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "32",  # DP=2: 8 micro-batches per step and replica
         *deterministic(),
     )
     env = {
@@ -136,5 +154,8 @@ def test_p2p_overlap_options_match_upstream_with_interleaved_pipeline(tmp_path):
     # The "all" modes defer the three layers of a chunk.
     assert modes["fork:all"][0]["options"]["overlap_p2p_wgrad_delayed_layer_number"] == 3
     losses, grads = check_against_upstream(run, PP_FORK_MODES, ITERATIONS)
-    print(f"\nPP=2 VPP=2 EP=2: fork == upstream for {ITERATIONS} iterations in modes "
-          f"{', '.join(PP_FORK_MODES)}: last loss {losses[-1]!r}, grad norm {grads[-1]!r}; {run.seconds:.0f} s")
+    print(
+        f"\nPP=2 VPP=2 EP=2: fork == upstream for {ITERATIONS} iterations in modes "
+        f"{', '.join(PP_FORK_MODES)}: last loss {losses[-1]!r}, grad norm {grads[-1]!r}; "
+        f"{run.seconds:.0f} s"
+    )

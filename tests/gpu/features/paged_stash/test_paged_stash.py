@@ -19,8 +19,8 @@ import os
 
 import pytest
 
-from tests.gpu.conftest import first_difference, launch, tiny_argv
 from megatron.patchset.features.flex_dispatch import probes
+from tests.gpu.conftest import first_difference, launch, tiny_argv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
 
@@ -31,16 +31,42 @@ PREFIX = "megatron-patchset: paged stash"
 BACKENDS = {
     # NCCL EP traps when its budget is exceeded, hence 2.0; the static shape hands the experts the
     # whole [budget, hidden] receive buffer (paged stashing needs it).
-    "ncclep": ("--moe-flex-dispatcher-backend", "ncclep", "--moe-ncclep-static-shape",
-               "--moe-expert-rank-capacity-factor", "2.0"),
-    "hybridep": ("--moe-flex-dispatcher-backend", "hybridep", "--moe-router-dtype", "fp32",
-                 "--moe-expert-rank-capacity-factor", "1.5"),
+    "ncclep": (
+        "--moe-flex-dispatcher-backend",
+        "ncclep",
+        "--moe-ncclep-static-shape",
+        "--moe-expert-rank-capacity-factor",
+        "2.0",
+    ),
+    "hybridep": (
+        "--moe-flex-dispatcher-backend",
+        "hybridep",
+        "--moe-router-dtype",
+        "fp32",
+        "--moe-expert-rank-capacity-factor",
+        "1.5",
+    ),
 }
-COMMON = ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
-          "--use-transformer-engine-op-fuser", "--train-iters", str(ITERS))
+COMMON = (
+    "--expert-model-parallel-size",
+    "2",
+    "--moe-token-dispatcher-type",
+    "flex",
+    "--use-transformer-engine-op-fuser",
+    "--train-iters",
+    str(ITERS),
+)
 STASH = ("--moe-paged-stash",)
-GRAPHS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router",
-          "moe_preprocess", "--cuda-graph-warmup-steps", "2")
+GRAPHS = (
+    "--cuda-graph-impl",
+    "transformer_engine",
+    "--cuda-graph-modules",
+    "attn",
+    "moe_router",
+    "moe_preprocess",
+    "--cuda-graph-warmup-steps",
+    "2",
+)
 ENV = {"NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"}
 
 
@@ -75,7 +101,9 @@ class Backend:
     def stash_off(self):
         """The reference: the same static budget and experts, eager, without paged stashing."""
         if self._off is None:
-            self._off = launch(self.reference_dir, f"{self.name}_stash_off_eager", 2, self.argv(), env=self.env)
+            self._off = launch(
+                self.reference_dir, f"{self.name}_stash_off_eager", 2, self.argv(), env=self.env
+            )
         return self._off
 
 
@@ -109,42 +137,67 @@ def _check_equal(off, on, label):
     assert all(math.isfinite(x) for x in on.losses)
     worst = max(abs(a - b) for a, b in zip(off.losses, on.losses))
     diff = first_difference(off.losses, on.losses)
-    print(f"\n{label}: max |loss diff| {worst:.3g} over {ITERS} iterations "
-          f"({'bit-identical' if diff is None else f'first difference at iteration {diff[0] + 1}'}); "
-          f"last loss off {off.losses[-1]:.5f} on {on.losses[-1]:.5f}; peak "
-          f"{off.summary.get('max_allocated_gib', 0):.2f} -> {on.summary.get('max_allocated_gib', 0):.2f} GiB; "
-          f"median step {off.step_ms():.1f} -> {on.step_ms():.1f} ms")
-    assert worst <= LOSS_ATOL, f"{label}: losses differ by {worst} (> {LOSS_ATOL}): {off.losses} vs {on.losses}"
+    print(
+        f"\n{label}: max |loss diff| {worst:.3g} over {ITERS} iterations "
+        f"({'bit-identical' if diff is None else f'first difference at iteration {diff[0] + 1}'}); "
+        f"last loss off {off.losses[-1]:.5f} on {on.losses[-1]:.5f}; peak "
+        f"{off.summary.get('max_allocated_gib', 0):.2f} -> "
+        f"{on.summary.get('max_allocated_gib', 0):.2f} GiB; median step {off.step_ms():.1f} -> "
+        f"{on.step_ms():.1f} ms"
+    )
+    assert worst <= LOSS_ATOL, (
+        f"{label}: losses differ by {worst} (> {LOSS_ATOL}): {off.losses} vs {on.losses}"
+    )
     assert on.losses[-1] < on.losses[0] - (1.0 if ITERS >= 20 else 0.3)
 
 
 def _check_paged(run):
     log = _log(run)
-    assert f"{PREFIX}: allocated stash buffers" in log, "paged stash allocated nothing (see the run log)"
+    assert f"{PREFIX}: allocated stash buffers" in log, (
+        "paged stash allocated nothing (see the run log)"
+    )
     assert "no MoE activation was marked" not in log
 
 
 def test_paged_stash_matches_no_stash_eager(tmp_path, backend):
-    on = launch(tmp_path, f"{backend.name}_stash_on_eager", 2, backend.argv(*STASH), env=backend.env)
+    on = launch(
+        tmp_path, f"{backend.name}_stash_on_eager", 2, backend.argv(*STASH), env=backend.env
+    )
     _check_paged(on)
     _check_equal(backend.stash_off(), on, f"{backend.name}: paged stash eager")
 
 
 def test_paged_stash_matches_with_partial_cuda_graphs(tmp_path, backend):
-    on = launch(tmp_path, f"{backend.name}_stash_on_graphs", 2, backend.argv(*STASH, *GRAPHS), env=backend.env)
+    on = launch(
+        tmp_path,
+        f"{backend.name}_stash_on_graphs",
+        2,
+        backend.argv(*STASH, *GRAPHS),
+        env=backend.env,
+    )
     _check_paged(on)
-    _check_equal(backend.stash_off(), on,
-                 f"{backend.name}: paged stash + TE graphs (attn, moe_router, moe_preprocess)")
+    _check_equal(
+        backend.stash_off(),
+        on,
+        f"{backend.name}: paged stash + TE graphs (attn, moe_router, moe_preprocess)",
+    )
 
 
 def test_overflow_reruns_and_training_continues(tmp_path, backend):
-    run = launch(tmp_path, f"{backend.name}_stash_overflow", 2,
-                 backend.argv(*STASH, "--moe-paged-stash-buffer-size-factor-cuda", "0.02"), env=backend.env)
+    run = launch(
+        tmp_path,
+        f"{backend.name}_stash_overflow",
+        2,
+        backend.argv(*STASH, "--moe-paged-stash-buffer-size-factor-cuda", "0.02"),
+        env=backend.env,
+    )
     log = _log(run)
     overflows = log.count(f"{PREFIX}: OVERFLOW")
     reruns_done = log.count("finished without overflow")
-    print(f"\n{backend.name} overflow run: {overflows} overflow line(s), {reruns_done} finished re-run line(s); "
-          f"losses {run.losses[0]:.4f} -> {run.losses[-1]:.4f}")
+    print(
+        f"\n{backend.name} overflow run: {overflows} overflow line(s), {reruns_done} finished "
+        f"re-run line(s); losses {run.losses[0]:.4f} -> {run.losses[-1]:.4f}"
+    )
     assert overflows >= 1 and "stash buffer full" in log
     if backend.name == "ncclep":
         assert "with the same NCCL EP receive budget" in log

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from tests.gpu.conftest import gpu_count, launch_many, tiny_argv
 from megatron.patchset.features.torch_compile import attention_block
+from tests.gpu.conftest import gpu_count, launch_many, tiny_argv
 
 pytestmark = pytest.mark.gpu
 
@@ -27,8 +27,14 @@ GRAD_NORM_RTOL = 0.10
 # Inductor draws its own random numbers: with dropout the masks (not the arithmetic) would differ
 # from eager's (measured on the CPU: 7% loss differences with dropout 0.1, <0.1% without).
 NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
-FSDP = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-        "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor")
+FSDP = (
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "optim_grads_params",
+    "--no-gradient-accumulation-fusion",
+    "--ckpt-format",
+    "fsdp_dtensor",
+)
 # Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1, which launch() sets by default.
 FSDP_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
 
@@ -39,7 +45,8 @@ def compile_reports(run):
 
 LAYOUTS = {
     "compile_1gpu": (1, (), None),
-    # TE's fused permutation eagerly, the gathered one while compiling (compile.moe_permute_traceable)
+    # TE's fused permutation eagerly, the gathered one while compiling
+    # (compile.moe_permute_traceable)
     "compile_1gpu_permute_fusion": (1, ("--moe-permute-fusion",), None),
     "compile_2gpu_ep2": (2, ("--expert-model-parallel-size", "2"), None),
     "compile_2gpu_fsdp": (2, FSDP, FSDP_ENV),
@@ -56,7 +63,15 @@ def runs(tmp_path_factory):
             continue
         argv = tiny_argv("--train-iters", str(ITERS), *NO_DROPOUT, *extra)
         jobs.append(dict(tmp_path=tmp, name=f"{name}_eager", nproc=nproc, argv=argv, env=env))
-        jobs.append(dict(tmp_path=tmp, name=f"{name}_compiled", nproc=nproc, argv=argv + list(COMPILE), env=env))
+        jobs.append(
+            dict(
+                tmp_path=tmp,
+                name=f"{name}_compiled",
+                nproc=nproc,
+                argv=argv + list(COMPILE),
+                env=env,
+            )
+        )
     return launch_many(jobs)
 
 
@@ -64,7 +79,10 @@ def compare(runs, name):
     eager, compiled = runs[f"{name}_eager"], runs[f"{name}_compiled"]
     assert len(eager.losses) == len(compiled.losses) == ITERS
     assert all(math.isfinite(x) for x in compiled.losses)
-    assert abs(compiled.losses[0] - eager.losses[0]) <= FIRST_LOSS_ATOL, (compiled.losses[0], eager.losses[0])
+    assert abs(compiled.losses[0] - eager.losses[0]) <= FIRST_LOSS_ATOL, (
+        compiled.losses[0],
+        eager.losses[0],
+    )
     worst = max(abs(c - e) for c, e in zip(compiled.losses, eager.losses))
     assert worst <= LOSS_ATOL, list(zip(compiled.losses, eager.losses))
     for c, e in zip(compiled.grad_norms, eager.grad_norms):
@@ -85,13 +103,14 @@ def compare(runs, name):
     with open(compiled.log, errors="replace") as handle:
         lines = [line.strip() for line in handle if "> compile:" in line]
     assert any("first training iteration (compile warm-up) took" in line for line in lines)
-    print(f"\n{name}: loss it1 eager {eager.losses[0]:.4f} compiled {compiled.losses[0]:.4f}, "
-          f"it{ITERS} eager {eager.losses[-1]:.4f} compiled {compiled.losses[-1]:.4f}, max |diff| "
-          f"{worst:.4f}; "
-          f"{warm['graphs']} graphs, {warm['graph_breaks']} graph breaks, "
-          f"{warm['frames_ok']} of {warm['frames']} frames compiled (the rest skipped by dynamo), "
-          f"compile {warm['compile_s']:.1f} s; "
-          f"after warm-up +{final['graphs_since_warmup']} graphs +{final['frames_since_warmup']} frames")
+    print(
+        f"\n{name}: loss it1 eager {eager.losses[0]:.4f} compiled {compiled.losses[0]:.4f}, "
+        f"it{ITERS} eager {eager.losses[-1]:.4f} compiled {compiled.losses[-1]:.4f}, max |diff| "
+        f"{worst:.4f}; {warm['graphs']} graphs, {warm['graph_breaks']} graph breaks, "
+        f"{warm['frames_ok']} of {warm['frames']} frames compiled (the rest skipped by dynamo), "
+        f"compile {warm['compile_s']:.1f} s; after warm-up +{final['graphs_since_warmup']} graphs "
+        f"+{final['frames_since_warmup']} frames"
+    )
     for reason, count in warm["graph_break_reasons"].items():
         print(f"  {count}x {reason.splitlines()[0]} | {' '.join(reason.split())[:240]}")
     return eager, compiled
@@ -108,9 +127,13 @@ def test_compiled_matches_eager_one_gpu(runs):
     # The tiny config is plain bf16 on one TP rank without dropout: the QKV, attention and
     # output projection trace as torch ops, so none of TE's attention modules breaks a graph.
     reasons = list(compile_reports(compiled)[0]["graph_break_reasons"])
-    assert reasons and not [name for name in TE_ATTENTION_BREAKS if name in " ".join(reasons)], reasons
+    assert reasons and not [name for name in TE_ATTENTION_BREAKS if name in " ".join(reasons)], (
+        reasons
+    )
     # What is left is the MoE layer's three eager regions, nothing else.
-    assert all(any(f"MoELayer.{region}" in reason for region in MOE_EAGER_REGIONS) for reason in reasons), reasons
+    assert all(
+        any(f"MoELayer.{region}" in reason for region in MOE_EAGER_REGIONS) for reason in reasons
+    ), reasons
 
 
 @pytest.mark.gpus(1)
@@ -120,7 +143,9 @@ def test_gathered_permutation_matches_te_permute_fusion(runs):
         log = handle.read()
     assert "MoE permutation as gathers in 4 of 4 MoE layers" in log
     reasons = list(compile_reports(compiled)[0]["graph_break_reasons"])
-    assert all(any(f"MoELayer.{region}" in reason for region in MOE_EAGER_REGIONS) for reason in reasons), reasons
+    assert all(
+        any(f"MoELayer.{region}" in reason for region in MOE_EAGER_REGIONS) for reason in reasons
+    ), reasons
 
 
 def _relative_error(got, want):
@@ -136,11 +161,23 @@ def test_attention_block_substitutes_match_transformer_engine():
 
     torch.manual_seed(0)
     bf16, hidden, heads, groups, dim, seq = torch.bfloat16, 1024, 16, 4, 64, 2048
-    qkv = te.LayerNormLinear(hidden, (heads + 2 * groups) * dim, bias=False, normalization="RMSNorm",
-                             eps=1e-6, params_dtype=bf16)
+    qkv = te.LayerNormLinear(
+        hidden,
+        (heads + 2 * groups) * dim,
+        bias=False,
+        normalization="RMSNorm",
+        eps=1e-6,
+        params_dtype=bf16,
+    )
     proj = te.Linear(heads * dim, hidden, bias=False, params_dtype=bf16)
-    attention = te.DotProductAttention(heads, dim, num_gqa_groups=groups, attention_dropout=0.0,
-                                       attn_mask_type="causal", qkv_format="sbhd")
+    attention = te.DotProductAttention(
+        heads,
+        dim,
+        num_gqa_groups=groups,
+        attention_dropout=0.0,
+        attn_mask_type="causal",
+        qkv_format="sbhd",
+    )
     x = torch.randn(seq, 2, hidden, device="cuda", dtype=bf16, requires_grad=True)
 
     def block(linear_qkv, core, linear_proj):
@@ -151,13 +188,19 @@ def test_attention_block_substitutes_match_transformer_engine():
     params = [x, qkv.layer_norm_weight, qkv.weight, proj.weight]
     te_out = block(qkv, lambda q, k, v: attention(q, k, v), proj)
     te_grads = torch.autograd.grad(te_out.float().square().mean(), params)
-    torch_out = block(lambda t: attention_block.traceable_layernorm_linear(qkv, t)[0],
-                      lambda q, k, v: attention_block.traceable_attention(q, k, v, True, attention.softmax_scale),
-                      lambda t: attention_block.traceable_linear(proj, t)[0])
+    torch_out = block(
+        lambda t: attention_block.traceable_layernorm_linear(qkv, t)[0],
+        lambda q, k, v: attention_block.traceable_attention(q, k, v, True, attention.softmax_scale),
+        lambda t: attention_block.traceable_linear(proj, t)[0],
+    )
     torch_grads = torch.autograd.grad(torch_out.float().square().mean(), params)
-    errors = [_relative_error(torch_out, te_out)] + [_relative_error(g, w) for g, w in zip(torch_grads, te_grads)]
-    print(f"\nattention block, torch ops vs TE: max relative error out {errors[0]:.2e}, grads "
-          + ", ".join(f"{e:.2e}" for e in errors[1:]))
+    errors = [_relative_error(torch_out, te_out)] + [
+        _relative_error(g, w) for g, w in zip(torch_grads, te_grads)
+    ]
+    print(
+        f"\nattention block, torch ops vs TE: max relative error out {errors[0]:.2e}, grads "
+        + ", ".join(f"{e:.2e}" for e in errors[1:])
+    )
     assert all(e < 2e-2 for e in errors), errors
 
 

@@ -2,16 +2,16 @@
 forward-backward timer, and the outside timer around forward-backward."""
 
 import json
-from tests.unit.conftest import TINY, validated
-from megatron.patchset.core import argsfile
+
+from megatron.patchset.core import argsfile, registry
 from megatron.patchset.core.observe import metrics
-from megatron.patchset.core import registry
+from tests.unit.conftest import TINY, validated
 
 
 def metrics_setup(tmp_path, monkeypatch):
     """Metrics on, megatron's args (tiny config) and global batch 16 as training_log sees them."""
-    import megatron.training
     import megatron.core.num_microbatches_calculator as nmc
+    import megatron.training
 
     path = tmp_path / "m.jsonl"
     monkeypatch.setenv("MEGATRON_PATCHSET_METRICS", str(path))
@@ -38,14 +38,17 @@ def test_metrics_patch_records_exact_values(tmp_path, monkeypatch):
     wrapped = registry.get("training.metrics_jsonl").factory(fake_training_log)
     loss = torch.tensor(2.718281828, dtype=torch.float32)
     for it in (1, 2):
-        assert wrapped({"lm loss": loss}, {}, 1e-3, it, 1.0, True, 0, 0.123456789, None, None) == "flag"
+        assert (
+            wrapped({"lm loss": loss}, {}, 1e-3, it, 1.0, True, 0, 0.123456789, None, None)
+            == "flag"
+        )
     assert calls == [1, 2]
-    lines = [json.loads(l) for l in path.read_text().splitlines()]
-    assert [l["iteration"] for l in lines] == [1, 2]
-    assert lines[0]["losses"]["lm loss"] == loss.item()  # full precision, not the log's 6 digits
-    assert lines[0]["grad_norm"] == 0.123456789
-    assert lines[0]["time_s"] is None and lines[1]["time_s"] >= 0
-    assert lines[0]["tokens"] == 16 * 1024 and lines[0]["flops"] > 0
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert records[0]["losses"]["lm loss"] == loss.item()  # full precision, not the log's 6 digits
+    assert records[0]["grad_norm"] == 0.123456789
+    assert records[0]["time_s"] is None and records[1]["time_s"] >= 0
+    assert records[0]["tokens"] == 16 * 1024 and records[0]["flops"] > 0
 
 
 def test_metrics_patch_records_megatrons_forward_backward_timer(tmp_path, monkeypatch):
@@ -72,9 +75,9 @@ def test_metrics_patch_records_megatrons_forward_backward_timer(tmp_path, monkey
     args.log_interval = 2  # the timer would sum two iterations: not recorded
     timers("forward-backward").set_elapsed(0.5)
     wrapped({"lm loss": loss}, {}, 1e-3, 3, 1.0, True, 0, 0.5, None, None)
-    lines = [json.loads(l) for l in path.read_text().splitlines()]
-    assert ["fwd_bwd_s" in l for l in lines] == [False, True, False]
-    assert lines[1]["fwd_bwd_s"] == 0.25
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert ["fwd_bwd_s" in r for r in records] == [False, True, False]
+    assert records[1]["fwd_bwd_s"] == 0.25
 
 
 def test_forward_backward_timed_around_the_call(monkeypatch):
@@ -96,14 +99,25 @@ def test_forward_backward_timed_around_the_call(monkeypatch):
         time_module.sleep(0.02)
         return ["losses"]
 
-    def fake_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config,
-                        forward_backward_func, iteration=None):
+    def fake_train_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        scheduler,
+        config,
+        forward_backward_func,
+        iteration=None,
+    ):
         assert forward_backward_func is not forward_backward  # wrapped
         return [forward_backward_func(forward_only=False) for _ in range(2)]  # e.g. a re-run
 
     metrics._fwd_bwd["seconds"] = None
     step = patch.factory(fake_train_step)
-    assert step(None, None, None, None, None, None, forward_backward, iteration=0) == [["losses"], ["losses"]]
+    assert step(None, None, None, None, None, None, forward_backward, iteration=0) == [
+        ["losses"],
+        ["losses"],
+    ]
     assert len(syncs) == 4
     seconds = metrics.forward_backward_seconds()
     assert 0.04 <= seconds < 1.0

@@ -4,20 +4,23 @@ one profiled step of the tiny local-spec MoE GPT on the CPU."""
 import json
 import os
 import types
+
 import pytest
 import torch.multiprocessing as mp
-from megatron.patchset.core.observe import labels
-from megatron.patchset.core.observe import profile
-from megatron.patchset.core.observe import trace_summary
+
 from megatron.patchset.core import registry
+from megatron.patchset.core.observe import labels, profile, trace_summary
 from tests.unit.support.cpu_train import cpu_argv, free_port
 
 
 def test_pipeline_calls_are_labelled_by_direction():
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    directions = {attr: detail for module, owner, attr, category, detail, _ in labels._METHOD_LABELS
-                  if category == "p2p"}
+    directions = {
+        attr: detail
+        for module, owner, attr, category, detail, _ in labels._METHOD_LABELS
+        if category == "p2p"
+    }
     assert directions["send_backward_recv_backward"] == "backward"
     assert directions["send_forward_recv_forward"] == "forward"
     assert directions["send_forward_backward_recv_forward_backward"] == "both"
@@ -42,7 +45,9 @@ def test_patch_is_registered_as_observe_on_train_step(monkeypatch):
     assert patch.wanted(None)
 
 
-def test_wrapper_profiles_exactly_the_requested_iteration_with_labels_from_the_start(tmp_path, monkeypatch):
+def test_wrapper_profiles_exactly_the_requested_iteration_with_labels_from_the_start(
+    tmp_path, monkeypatch
+):
     import torch
     from megatron.core.transformer.moe import moe_layer, token_dispatcher
 
@@ -58,10 +63,21 @@ def test_wrapper_profiles_exactly_the_requested_iteration_with_labels_from_the_s
     def finalize(*a):
         return "final"
 
-    def fake_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config,
-                        forward_backward_func, iteration=None, pg_collection=None):
+    def fake_train_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        scheduler,
+        config,
+        forward_backward_func,
+        iteration=None,
+        pg_collection=None,
+    ):
         labelled = moe_layer.MoELayer.route is not route
-        seen.append((iteration, labelled, token_dispatcher.permute is not permute, labels.RECORDING[0]))
+        seen.append(
+            (iteration, labelled, token_dispatcher.permute is not permute, labels.RECORDING[0])
+        )
         optimizer.step()
         config.finalize_model_grads_func()
         return f"result {iteration}"
@@ -69,7 +85,9 @@ def test_wrapper_profiles_exactly_the_requested_iteration_with_labels_from_the_s
     opt, config = Opt(), types.SimpleNamespace(finalize_model_grads_func=finalize)
     wrapped = registry.get("training.observe_train_step").factory(fake_train_step)
     try:
-        results = [wrapped(None, None, None, opt, None, config, None, iteration=i) for i in range(3)]
+        results = [
+            wrapped(None, None, None, opt, None, config, None, iteration=i) for i in range(3)
+        ]
     finally:
         profile.remove_labels()
     assert results == ["result 0", "result 1", "result 2"]
@@ -89,8 +107,14 @@ def test_wrapper_profiles_exactly_the_requested_iteration_with_labels_from_the_s
 def profiled_worker(rank, argv, port, folder, steps):
     """pretrain_gpt.py's model, data, forward_step and loss on the CPU, with a train step of
     megatron's signature wrapped by the patch (megatron's own train_step needs a GPU)."""
-    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), **{profile.PROFILE_ENV: f"{folder}:{steps}"})
+    os.environ.update(
+        WORLD_SIZE="1",
+        RANK="0",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **{profile.PROFILE_ENV: f"{folder}:{steps}"},
+    )
     import sys
 
     import pytest as _pytest
@@ -100,26 +124,38 @@ def profiled_worker(rank, argv, port, folder, steps):
 
     cpu_shims.install(_pytest.MonkeyPatch())
     sys.argv = ["pretrain_gpt.py", *argv]
-    import pretrain_gpt
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe import moe_layer
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.models.gpt import GPTModelBuilder
 
+    import pretrain_gpt
+
     torch.manual_seed(1234)
     args = parse_and_validate_args(extra_args_provider=pretrain_gpt.add_patchset_args)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     model_config = pretrain_gpt.model_config_from_args(args)
-    model = GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())
+    model = GPTModelBuilder(model_config).build_model(
+        ProcessGroupCollection.use_mpu_process_groups()
+    )
     train, _, _ = pretrain_gpt.train_valid_test_datasets_provider([16, 0, 0])
     batch = next(iter(torch.utils.data.DataLoader(train, batch_size=args.micro_batch_size)))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     route = moe_layer.MoELayer.route
 
-    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                   forward_backward_func, iteration=None, pg_collection=None):
+    def train_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        config,
+        forward_backward_func,
+        iteration=None,
+        pg_collection=None,
+    ):
         output, loss_fn = forward_step_func(data_iterator, model)
         loss, num_tokens, _ = loss_fn(output)
         (loss / num_tokens).backward()
@@ -129,11 +165,26 @@ def profiled_worker(rank, argv, port, folder, steps):
 
     step = registry.get("training.observe_train_step").factory(train_step)
     for i in range(steps):
-        step(pretrain_gpt.forward_step, iter([batch]), model, optimizer, None, model.config, None, iteration=i)
+        step(
+            pretrain_gpt.forward_step,
+            iter([batch]),
+            model,
+            optimizer,
+            None,
+            model.config,
+            None,
+            iteration=i,
+        )
     installed = moe_layer.MoELayer.route is not route
     profile.remove_labels()
     with open(os.path.join(folder, "after.json"), "w") as handle:
-        json.dump({"installed_for_the_run": installed, "route_restored": moe_layer.MoELayer.route is route}, handle)
+        json.dump(
+            {
+                "installed_for_the_run": installed,
+                "route_restored": moe_layer.MoELayer.route is route,
+            },
+            handle,
+        )
     torch.distributed.destroy_process_group()
 
 
@@ -147,12 +198,22 @@ def test_one_profiled_step_of_the_tiny_moe_on_cpu(tmp_path):
     assert after["installed_for_the_run"] and after["route_restored"]
     assert summary["iteration"] == 2 and (tmp_path / "trace.json").stat().st_size > 0
     cats = summary["categories"]
-    for name in ("attention", "router", "dispatch", "permutation", "expert", "combine", "optimizer"):
+    for name in (
+        "attention",
+        "router",
+        "dispatch",
+        "permutation",
+        "expert",
+        "combine",
+        "optimizer",
+    ):
         assert cats[name]["host_ms"] > 0, name
     # backward nodes found their forward stage through the sequence numbers
     for name in ("attention", "router", "expert"):
         assert cats[name]["bwd_host_ms"] > 0, name
-    assert sum(c["host_ms"] for c in cats.values()) == pytest.approx(summary["step_host_ms"], rel=1e-6)
+    assert sum(c["host_ms"] for c in cats.values()) == pytest.approx(
+        summary["step_host_ms"], rel=1e-6
+    )
     assert summary["gpu_events"] == 0 and summary["kernel_launches"] == 0
     # four MoE layers, each with its own router and experts
     assert sorted(summary["layers"], key=int) == ["1", "2", "3", "4"]
@@ -198,7 +259,9 @@ def test_labels_record_only_while_profiling_and_are_transparent_to_dynamo(monkey
             assert torch.equal(compiled(x), torch.full((3,), 6.0))
         # The compiled part carries no label; the compile-disabled region runs eagerly, labelled.
         assert recorded == [labels.label("dispatch", "", None)]
-        assert labelled(x).tolist() == [3.0] * 3 and recorded[-1] == labels.label("router", "", None)
+        assert labelled(x).tolist() == [3.0] * 3 and recorded[-1] == labels.label(
+            "router", "", None
+        )
     finally:
         labels.RECORDING[0] = False
         torch._dynamo.reset()

@@ -4,7 +4,16 @@ from megatron.patchset.core.observe import trace_summary
 
 
 def X(name, ts, dur, tid=1, cat="cpu_op", **args):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid, "args": args}
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "ts": ts,
+        "dur": dur,
+        "pid": 7,
+        "tid": tid,
+        "args": args,
+    }
 
 
 def ann(name, ts, dur, tid=1):
@@ -12,7 +21,14 @@ def ann(name, ts, dur, tid=1):
 
 
 def rt(name, ts, dur, corr=None, tid=1):
-    return X(name, ts, dur, tid=tid, cat="cuda_runtime", **({} if corr is None else {"correlation": corr}))
+    return X(
+        name,
+        ts,
+        dur,
+        tid=tid,
+        cat="cuda_runtime",
+        **({} if corr is None else {"correlation": corr}),
+    )
 
 
 def gpu(name, ts, dur, corr=None, cat="kernel"):
@@ -41,10 +57,22 @@ def synthetic_trace():
         ann("ps:combine/all-to-all:1", 400, 50),
         X("aten::embedding", 500, 20, **{"Sequence number": 9}),  # outside any label
         # backward on thread 2
-        X(trace_summary.BACKWARD_PREFIX + "SoftmaxBackward0", 600, 50, tid=2, **{"Sequence number": 5}),
+        X(
+            trace_summary.BACKWARD_PREFIX + "SoftmaxBackward0",
+            600,
+            50,
+            tid=2,
+            **{"Sequence number": 5},
+        ),
         X(trace_summary.BACKWARD_PREFIX + "MmBackward0", 650, 100, tid=2, **{"Sequence number": 7}),
         rt("cudaLaunchKernel", 660, 5, corr=3, tid=2),
-        X(trace_summary.BACKWARD_PREFIX + "EmbeddingBackward0", 750, 10, tid=2, **{"Sequence number": 9}),
+        X(
+            trace_summary.BACKWARD_PREFIX + "EmbeddingBackward0",
+            750,
+            10,
+            tid=2,
+            **{"Sequence number": 9},
+        ),
         ann("ps:optimizer:", 900, 80),
         rt("cudaLaunchKernel", 905, 5, corr=4),
         # device
@@ -71,8 +99,8 @@ def p2p_trace():
         rt("cudaLaunchKernel", 340, 2, corr=14),  # untagged compute launch
         rt("cudaLaunchKernel", 350, 2, corr=15),  # an all-to-all outside the P2P calls
         gpu("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 200, 100, corr=11),
-        gpu("gemm", 270, 60, corr=13),           # covers 270-300 of the backward P2P
+        gpu("gemm", 270, 60, corr=13),  # covers 270-300 of the backward P2P
         gpu("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 400, 50, corr=12),
-        gpu("elementwise", 390, 80, corr=14),    # covers all of the forward P2P
+        gpu("elementwise", 390, 80, corr=14),  # covers all of the forward P2P
         gpu("ncclDevKernel_AllToAll", 210, 50, corr=15),  # communication: hides nothing
     ]

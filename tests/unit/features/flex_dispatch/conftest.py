@@ -4,12 +4,13 @@ written to a temporary folder, and the flag sets of the flex-dispatcher tests.""
 import sys
 import textwrap
 import types
+
 import pytest
+
 from megatron.patchset.features.flex_dispatch import probes
 from tests.unit.conftest import tiny_argv
 
-
-_V1_BUFFER = '''
+_V1_BUFFER = """
 class Buffer:
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False):
         pass
@@ -28,14 +29,15 @@ class Buffer:
                             allocate_on_comm_stream=False):
         pass
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None,
                  async_finish=False, allocate_on_comm_stream=False):
         pass
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         pass
-'''
+"""
 
 
 PACKAGES = {
@@ -46,7 +48,8 @@ PACKAGES = {
     },
     # DeepEP 2.x: deep_ep.utils became a package exporting only EventHandle.
     "v2": {
-        "deep_ep/__init__.py": "__version__ = '2.1.0'\nfrom .utils import EventHandle\nfrom .buffers.legacy import Buffer\nclass EventOverlap: pass\n",
+        "deep_ep/__init__.py": "__version__ = '2.1.0'\nfrom .utils import EventHandle\nfrom "
+        ".buffers.legacy import Buffer\nclass EventOverlap: pass\n",
         "deep_ep/utils/__init__.py": "from .event import EventHandle\n",
         "deep_ep/utils/event.py": "class EventHandle: pass\n",
         "deep_ep/buffers/__init__.py": "",
@@ -54,15 +57,17 @@ PACKAGES = {
     },
     # Installed, but the compiled extension does not load.
     "broken": {
-        "deep_ep/__init__.py": "raise ImportError('libnvshmem_host.so.3: cannot open shared object file: No such file or directory')\n",
+        "deep_ep/__init__.py": "raise ImportError('libnvshmem_host.so.3: cannot open shared object "
+        "file: No such file or directory')\n",
     },
     # An old API: dispatch without the keywords megatron passes.
     "old_api": {
         "deep_ep/__init__.py": "from .utils import EventOverlap\nfrom .buffer import Buffer\n",
         "deep_ep/utils.py": "class EventHandle: pass\nclass EventOverlap: pass\n",
-        "deep_ep/buffer.py": _V1_BUFFER.replace("allocate_on_comm_stream=False):\n        pass\n    def combine",
-                                                 "):\n        pass\n    def combine").replace(
-            "previous_event=None,\n                 async_finish=False, ", ""),
+        "deep_ep/buffer.py": _V1_BUFFER.replace(
+            "allocate_on_comm_stream=False):\n        pass\n    def combine",
+            "):\n        pass\n    def combine",
+        ).replace("previous_event=None,\n                 async_finish=False, ", ""),
     },
 }
 
@@ -88,8 +93,15 @@ def deep_ep_package(tmp_path, monkeypatch):
 
 
 def flex_argv(backend, *extra):
-    return tiny_argv("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
-                     "--moe-flex-dispatcher-backend", backend, *extra)
+    return tiny_argv(
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-token-dispatcher-type",
+        "flex",
+        "--moe-flex-dispatcher-backend",
+        backend,
+        *extra,
+    )
 
 
 def _fake_te(monkeypatch, *, library=True):
@@ -102,11 +114,26 @@ def _fake_te(monkeypatch, *, library=True):
     ep.calls = []
     ep.is_ep_bootstrapped = lambda: False
 
-    def ep_bootstrap(ep_group, num_experts, max_tokens_per_rank, hidden_dim, num_topk,
-                     recv_capacity_per_rank=None, max_num_sms=0, zero_copy=False):
-        ep.calls.append(dict(num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
-                             hidden_dim=hidden_dim, num_topk=num_topk,
-                             recv_capacity_per_rank=recv_capacity_per_rank, max_num_sms=max_num_sms))
+    def ep_bootstrap(
+        ep_group,
+        num_experts,
+        max_tokens_per_rank,
+        hidden_dim,
+        num_topk,
+        recv_capacity_per_rank=None,
+        max_num_sms=0,
+        zero_copy=False,
+    ):
+        ep.calls.append(
+            dict(
+                num_experts=num_experts,
+                max_tokens_per_rank=max_tokens_per_rank,
+                hidden_dim=hidden_dim,
+                num_topk=num_topk,
+                recv_capacity_per_rank=recv_capacity_per_rank,
+                max_num_sms=max_num_sms,
+            )
+        )
 
     ep.ep_bootstrap = ep_bootstrap
     pytorch.ep = ep
@@ -121,9 +148,11 @@ def write_nccl_headers(folder, version=(2, 32, 3), device=True):
     """A stand-in NCCL include folder: nccl.h defining the version (and nccl_device.h)."""
     folder.mkdir(parents=True, exist_ok=True)
     major, minor, patch = version
-    (folder / "nccl.h").write_text(f"#ifndef NCCL_H_\n#define NCCL_H_\n\n#define NCCL_MAJOR {major}\n"
-                                   f"#define NCCL_MINOR {minor}\n#define NCCL_PATCH  {patch}\n"
-                                   f"#define NCCL_SUFFIX \"\"\n#define NCCL_VERSION_CODE 0\n#endif\n")
+    (folder / "nccl.h").write_text(
+        f"#ifndef NCCL_H_\n#define NCCL_H_\n\n#define NCCL_MAJOR {major}\n"
+        f"#define NCCL_MINOR {minor}\n#define NCCL_PATCH  {patch}\n"
+        f'#define NCCL_SUFFIX ""\n#define NCCL_VERSION_CODE 0\n#endif\n'
+    )
     if device:
         (folder / "nccl_device.h").write_text("#pragma once\n")
     return folder

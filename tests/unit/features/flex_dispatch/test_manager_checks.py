@@ -2,10 +2,11 @@
 and the NCCL EP bootstrap patch that passes num_topk to TE 2.20 and repairs its ops first."""
 
 import types
+
 import pytest
+
 from megatron.patchset.core import registry
-from megatron.patchset.features.flex_dispatch import manager_checks
-from megatron.patchset.features.flex_dispatch import probes
+from megatron.patchset.features.flex_dispatch import manager_checks, probes
 from tests.unit.conftest import tiny_argv, validated
 from tests.unit.features.flex_dispatch.conftest import _fake_te, flex_argv
 
@@ -21,17 +22,35 @@ def test_ncclep_bootstrap_patch_passes_num_topk(monkeypatch, nccl_jit_env):
     names = ["token_dispatcher.ncclep_bootstrap_topk", "token_dispatcher.ncclep_bootstrap"]
     applied = registry.apply_patches([registry.get(n) for n in names], check=False)
     try:
-        assert registry.patched_by(upstream.ensure_nccl_ep_bootstrapped) == "token_dispatcher.ncclep_bootstrap"
+        assert (
+            registry.patched_by(upstream.ensure_nccl_ep_bootstrapped)
+            == "token_dispatcher.ncclep_bootstrap"
+        )
         manager = upstream._NCCLEPManager.__new__(upstream._NCCLEPManager)
         manager.__dict__.update(
-            _bootstrapped=False, num_local_tokens=100, router_topk=4, rank_capacity_factor=2.0, alignment=0,
-            group=object(), num_experts=16, hidden_dim=256, zero_copy=False,
+            _bootstrapped=False,
+            num_local_tokens=100,
+            router_topk=4,
+            rank_capacity_factor=2.0,
+            alignment=0,
+            group=object(),
+            num_experts=16,
+            hidden_dim=256,
+            zero_copy=False,
             config=types.SimpleNamespace(moe_flex_dispatcher_num_sms=None),
         )
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False, raising=False)
         manager._ensure_bootstrap()
-        assert ep.calls == [dict(num_experts=16, max_tokens_per_rank=128, hidden_dim=256, num_topk=4,
-                                 recv_capacity_per_rank=128 * 4 * 2, max_num_sms=0)]
+        assert ep.calls == [
+            dict(
+                num_experts=16,
+                max_tokens_per_rank=128,
+                hidden_dim=256,
+                num_topk=4,
+                recv_capacity_per_rank=128 * 4 * 2,
+                max_num_sms=0,
+            )
+        ]
         with pytest.raises(probes.FlexBackendError, match="router top-k"):
             upstream.ensure_nccl_ep_bootstrapped(object(), 16, 128, 1024, 256)
     finally:
@@ -46,7 +65,9 @@ def test_manager_construction_checks_the_backend(deep_ep_package):
     applied = registry.apply_patches([registry.get("token_dispatcher.deepep_check")], check=False)
     try:
         with pytest.raises(probes.FlexBackendError, match="libnvshmem_host.so.3"):
-            upstream._DeepepManager(group=None, num_local_experts=4, router_topk=2, num_experts=8, config=None)
+            upstream._DeepepManager(
+                group=None, num_local_experts=4, router_topk=2, num_experts=8, config=None
+            )
     finally:
         registry.revert(applied)
 
@@ -78,10 +99,16 @@ def test_manager_check_runs_once_per_process_until_it_passes(monkeypatch, capsys
 def test_patches_are_wanted_only_for_their_backend():
     args = validated(flex_argv("ncclep", "--moe-expert-rank-capacity-factor", "2.0"), 2)
     names = {p.name for p in registry.wanted(args)}
-    assert {"token_dispatcher.ncclep_check", "token_dispatcher.ncclep_bootstrap",
-            "token_dispatcher.ncclep_bootstrap_topk"} <= names
+    assert {
+        "token_dispatcher.ncclep_check",
+        "token_dispatcher.ncclep_bootstrap",
+        "token_dispatcher.ncclep_bootstrap_topk",
+    } <= names
     assert "token_dispatcher.deepep_check" not in names
-    plain = {p.name for p in registry.wanted(validated(tiny_argv("--expert-model-parallel-size", "2"), 2))}
+    plain = {
+        p.name
+        for p in registry.wanted(validated(tiny_argv("--expert-model-parallel-size", "2"), 2))
+    }
     assert not any(n.startswith("token_dispatcher.") for n in plain)
     assert all(registry.get(n).kind == "compat" for n in names if n.startswith("token_dispatcher."))
 
@@ -91,15 +118,25 @@ def test_ncclep_bootstrap_repairs_te_ep_kernels_before_bootstrapping(monkeypatch
     import types
 
     calls = []
-    te, te_pt, fake_ep = (types.ModuleType(n) for n in
-                          ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ep"))
+    te, te_pt, fake_ep = (
+        types.ModuleType(n)
+        for n in (
+            "transformer_engine",
+            "transformer_engine.pytorch",
+            "transformer_engine.pytorch.ep",
+        )
+    )
     fake_ep.is_ep_bootstrapped = lambda: False
     fake_ep.ep_bootstrap = lambda *a, **k: calls.append(("bootstrap", k["num_topk"]))
     te.pytorch, te_pt.ep = te_pt, fake_ep
     for module in (te, te_pt, fake_ep):
         monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr(manager_checks, "check_backend", lambda backend: calls.append(("check", backend)))
-    monkeypatch.setattr(manager_checks, "repair_mutable_default_kernels", lambda ns: calls.append(("repair", ns)))
+    monkeypatch.setattr(
+        manager_checks, "check_backend", lambda backend: calls.append(("check", backend))
+    )
+    monkeypatch.setattr(
+        manager_checks, "repair_mutable_default_kernels", lambda ns: calls.append(("repair", ns))
+    )
     manager_checks._BOOTSTRAP.topk = 8
     try:
         manager_checks.ensure_nccl_ep_bootstrapped(None, 128, 4096, 8192, 2048)

@@ -2,7 +2,9 @@
 0.19.2's qualified names) and for TE's make_graphed_callables, on plain ``torch.nn`` modules."""
 
 import functools
+
 import torch
+
 from megatron.patchset.features.fsdp_cuda_graphs import fsdp_hooks
 
 
@@ -44,8 +46,12 @@ class MegatronFSDP:
         def _register_post_backward_hook(post_backward_hook, module, args, kwargs):
             if not torch.is_grad_enabled():
                 return args, kwargs
-            args = tuple(_Release.apply(functools.partial(post_backward_hook, module), a)
-                         if torch.is_tensor(a) and a.requires_grad else a for a in args)
+            args = tuple(
+                _Release.apply(functools.partial(post_backward_hook, module), a)
+                if torch.is_tensor(a) and a.requires_grad
+                else a
+                for a in args
+            )
             return args, kwargs
 
         @torch.compiler.disable
@@ -69,7 +75,8 @@ class MegatronFSDP:
             def forward_hook(_module, inputs, output):
                 outputs = [output] if torch.is_tensor(output) else list(output)
                 torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads: custom_backward_handler(_module, grads), mode="any")
+                    outputs, lambda grads: custom_backward_handler(_module, grads), mode="any"
+                )
                 return output
 
             return module.register_forward_hook(forward_hook)
@@ -78,12 +85,15 @@ class MegatronFSDP:
         unit.register_forward_hook(_post_forward, prepend=False)
         create_custom_backward_hook(unit, _pre_backward_param_unshard)
         unit.register_forward_pre_hook(
-            functools.partial(_register_post_backward_hook, _post_backward_release_module), with_kwargs=True)
+            functools.partial(_register_post_backward_hook, _post_backward_release_module),
+            with_kwargs=True,
+        )
         if root is not None:
             create_custom_backward_hook(root, _root_pre_backward)
         for i, p in enumerate(unit.parameters()):
             self.grad_acc_hooks[f"param {i}"] = p.register_post_accumulate_grad_hook(
-                lambda p: _process_post_backward_gradients([p]))
+                lambda p: _process_post_backward_gradients([p])
+            )
         fsdp_hooks.mark_module_hooks((root or unit).modules())
         return self
 

@@ -4,10 +4,11 @@ expect."""
 
 import functools
 import types
+
 import pytest
 import torch
-from megatron.patchset.features.fsdp_cuda_graphs import fsdp_hooks
-from megatron.patchset.features.fsdp_cuda_graphs import te_graphs
+
+from megatron.patchset.features.fsdp_cuda_graphs import fsdp_hooks, te_graphs
 from tests.unit.features.fsdp_cuda_graphs.fakes import unit_and_log
 
 
@@ -24,9 +25,17 @@ def test_markers_name_the_inner_handlers():
         "_register_post_backward_hook": {"backward"},
         "create_custom_backward_hook.<locals>.forward_hook": {"backward_pre", "withhold"},
     }
-    wrapper = next(fn for fn in unit._forward_pre_hooks.values() if isinstance(fn, functools.partial))
-    assert fsdp_hooks.local_name(getattr(wrapper, fsdp_hooks.BACKWARD_HANDLER)) == "_post_backward_release_module"
-    assert fsdp_hooks.local_name(torch.nn.Linear.forward) is None and fsdp_hooks.mark_hook(print) is None
+    wrapper = next(
+        fn for fn in unit._forward_pre_hooks.values() if isinstance(fn, functools.partial)
+    )
+    assert (
+        fsdp_hooks.local_name(getattr(wrapper, fsdp_hooks.BACKWARD_HANDLER))
+        == "_post_backward_release_module"
+    )
+    assert (
+        fsdp_hooks.local_name(torch.nn.Linear.forward) is None
+        and fsdp_hooks.mark_hook(print) is None
+    )
 
 
 def test_unknown_fsdp_hook_is_a_drift_error():
@@ -41,8 +50,14 @@ def test_unknown_fsdp_hook_is_a_drift_error():
 def test_gradient_hooks_pause_while_capturing():
     unit, _, registrar, log = unit_and_log()
     capturing = [True]
-    assert fsdp_hooks.guard_gradient_hooks(registrar.grad_acc_hooks.values(), lambda: capturing[0]) == 2
-    assert fsdp_hooks.guard_gradient_hooks(registrar.grad_acc_hooks.values(), lambda: capturing[0]) == 2  # no double wrap
+    assert (
+        fsdp_hooks.guard_gradient_hooks(registrar.grad_acc_hooks.values(), lambda: capturing[0])
+        == 2
+    )
+    assert (
+        fsdp_hooks.guard_gradient_hooks(registrar.grad_acc_hooks.values(), lambda: capturing[0])
+        == 2
+    )  # no double wrap
     stash = te_graphs.take_off_hooks(unit)
     unit(torch.randn(2, 4)).sum().backward()
     assert "process_grads" not in log
@@ -69,11 +84,20 @@ def test_real_megatron_fsdp_hook_functions_are_known():
 
     local = dict(_local_code_objects(MegatronFSDP._register_fsdp_hooks.__code__))
     prefix = "MegatronFSDP._register_fsdp_hooks.<locals>."
-    for name in ("_pre_forward_param_unshard", "_post_forward", "_register_post_backward_hook",
-                 "_post_backward_release_module", "_pre_backward_param_unshard", "_root_pre_backward",
-                 "_release_module_fp8_transpose_cache", "create_custom_backward_hook.<locals>.forward_hook"):
+    for name in (
+        "_pre_forward_param_unshard",
+        "_post_forward",
+        "_register_post_backward_hook",
+        "_post_backward_release_module",
+        "_pre_backward_param_unshard",
+        "_root_pre_backward",
+        "_release_module_fp8_transpose_cache",
+        "create_custom_backward_hook.<locals>.forward_hook",
+    ):
         assert prefix + name in local, name
-    assert local[prefix + "create_custom_backward_hook.<locals>.forward_hook"].co_freevars == ("custom_backward_handler",)
+    assert local[prefix + "create_custom_backward_hook.<locals>.forward_hook"].co_freevars == (
+        "custom_backward_handler",
+    )
     # The capture helper and the adapter still look these names up.
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
     import megatron.training.training as training

@@ -4,22 +4,26 @@ GraphableMegatronModule (hooks fire around capture and replay, params_dtype capt
 
 import functools
 import types
+
 import pytest
 import torch
+
 from megatron.patchset.core import registry
-from megatron.patchset.features.fsdp_cuda_graphs import fsdp_hooks
-from megatron.patchset.features.fsdp_cuda_graphs import te_graphs
+from megatron.patchset.features.fsdp_cuda_graphs import fsdp_hooks, te_graphs
 from tests.unit.features.fsdp_cuda_graphs.fakes import unit_and_log
 
 
-def fake_make_graphed_callables(callables, sample_args, *, capture_time_hooks=None, log=None, warmup=2,
-                                capturing=None):
+def fake_make_graphed_callables(
+    callables, sample_args, *, capture_time_hooks=None, log=None, warmup=2, capturing=None
+):
     """TE 2.20.2's make_graphed_callables contract, without graphs: refuses callables with
     hooks, checks the capture_time_hooks keys, runs ``hook(module)`` (None required) around a
     warm-up forward and backward of each callable, as TE does outside the captured graphs."""
     for c in callables:
         if any(len(getattr(c, d)) for d in te_graphs.MODULE_HOOK_DICTS.values()):
-            raise RuntimeError("Modules must not have hooks registered at the time they are passed.")
+            raise RuntimeError(
+                "Modules must not have hooks registered at the time they are passed."
+            )
     hooks = capture_time_hooks or [None] * len(callables)
     assert len(hooks) == len(callables)
     for entry in hooks:
@@ -63,16 +67,31 @@ def test_take_off_reroute_restore_twice():
         assert {k: len(v) for k, v in te.items()} == dict.fromkeys(te_graphs.TE_HOOK_KEYS, 1)
         given = [fn.__wrapped__ for table in te.values() for fn in table.values()]
         assert not any(isinstance(fn, functools.partial) for fn in given)
-        assert "create_custom_backward_hook.<locals>.forward_hook" not in [fsdp_hooks.local_name(fn) for fn in given]
-        assert fsdp_hooks.local_name(next(iter(te["backward_pre_hooks"].values())).__wrapped__) == "_pre_backward_param_unshard"
-        assert fsdp_hooks.local_name(next(iter(te["backward_hooks"].values())).__wrapped__) == "_post_backward_release_module"
+        assert "create_custom_backward_hook.<locals>.forward_hook" not in [
+            fsdp_hooks.local_name(fn) for fn in given
+        ]
+        assert (
+            fsdp_hooks.local_name(next(iter(te["backward_pre_hooks"].values())).__wrapped__)
+            == "_pre_backward_param_unshard"
+        )
+        assert (
+            fsdp_hooks.local_name(next(iter(te["backward_hooks"].values())).__wrapped__)
+            == "_post_backward_release_module"
+        )
         log.clear()
         capturing[0] = True
         fake_make_graphed_callables([unit], [(x,)], capture_time_hooks=[te], log=log, warmup=1)
         capturing[0] = False
         # Exactly the eager sequence, each handler once (wrappers withheld, inner handlers
         # rerouted), and no gradient processing during capture.
-        assert log == ["unshard", "fwd", "reshard", "pre_backward_unshard", "bwd", "post_backward_release"]
+        assert log == [
+            "unshard",
+            "fwd",
+            "reshard",
+            "pre_backward_unshard",
+            "bwd",
+            "post_backward_release",
+        ]
         te_graphs.restore_hooks(stash)
         te_graphs.restore_hooks(stash)  # idempotent
         assert hook_ids(unit) == before
@@ -140,7 +159,9 @@ class FakeHelper:
         self.deleted = False
 
     def _get_cuda_graph_input_data(self):
-        return [(torch.randn(2, 4, requires_grad=True),) for _ in self.flattened_callables], {"allow_unused_input": True}
+        return [(torch.randn(2, 4, requires_grad=True),) for _ in self.flattened_callables], {
+            "allow_unused_input": True
+        }
 
     def create_cudagraphs(self):
         from megatron.core.transformer import cuda_graphs as mcore_graphs
@@ -149,8 +170,13 @@ class FakeHelper:
         sample_args, kwargs = self._get_cuda_graph_input_data()
         if self.fail:
             raise RuntimeError("capture failed")  # megatron leaves its capture flag set
-        fake_make_graphed_callables(self.flattened_callables, sample_args,
-                                    capture_time_hooks=kwargs.get("capture_time_hooks"), log=self.log, warmup=1)
+        fake_make_graphed_callables(
+            self.flattened_callables,
+            sample_args,
+            capture_time_hooks=kwargs.get("capture_time_hooks"),
+            log=self.log,
+            warmup=1,
+        )
         mcore_graphs._set_capture_end()  # megatron's _finish_capturing
 
     def delete_cuda_graphs(self):
@@ -184,7 +210,9 @@ def test_helper_reroutes_for_capture_and_restores(helper_class, fail):
     units, logs = [], []
     for _ in range(2):
         unit, _, registrar, log = unit_and_log()
-        fsdp_hooks.guard_gradient_hooks(registrar.grad_acc_hooks.values())  # megatron-core's capture flag
+        fsdp_hooks.guard_gradient_hooks(
+            registrar.grad_acc_hooks.values()
+        )  # megatron-core's capture flag
         units.append(unit)
         logs.append(log)
     before = [hook_ids(u) for u in units]
@@ -218,8 +246,11 @@ def test_helper_without_fsdp_hooks_passes_no_capture_time_hooks(helper_class):
     assert "capture_time_hooks" not in seen
 
 
-MODULE_PATCHES = ("cuda_graphs.hooks_fire_on_graphed_call", "cuda_graphs.capture_uses_original_forward",
-                  "cuda_graphs.static_inputs_params_dtype")
+MODULE_PATCHES = (
+    "cuda_graphs.hooks_fire_on_graphed_call",
+    "cuda_graphs.capture_uses_original_forward",
+    "cuda_graphs.static_inputs_params_dtype",
+)
 
 
 @pytest.fixture
@@ -233,8 +264,13 @@ def graphable(params_dtype=torch.float32):
     from megatron.core.transformer.module import GraphableMegatronModule
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1,
-                               cuda_graph_impl="transformer_engine", params_dtype=params_dtype)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=4,
+        num_attention_heads=1,
+        cuda_graph_impl="transformer_engine",
+        params_dtype=params_dtype,
+    )
 
     class Layer(GraphableMegatronModule):
         def __init__(self):
@@ -255,13 +291,18 @@ def test_patch_targets_and_flags():
         assert patch.kind == "feature" and "4232" in patch.upstream and patch.reason
     args = types.SimpleNamespace(use_megatron_fsdp=True, cuda_graph_impl="transformer_engine")
     eager = types.SimpleNamespace(use_megatron_fsdp=True, cuda_graph_impl="none")
-    ddp_graphs = types.SimpleNamespace(use_megatron_fsdp=False, cuda_graph_impl="transformer_engine", bf16=False)
-    bf16_graphs = types.SimpleNamespace(use_megatron_fsdp=False, cuda_graph_impl="transformer_engine", bf16=True)
+    ddp_graphs = types.SimpleNamespace(
+        use_megatron_fsdp=False, cuda_graph_impl="transformer_engine", bf16=False
+    )
+    bf16_graphs = types.SimpleNamespace(
+        use_megatron_fsdp=False, cuda_graph_impl="transformer_engine", bf16=True
+    )
     assert registry.get("cuda_graphs.fsdp_capture_helper").wanted(args)
     assert not registry.get("cuda_graphs.fsdp_capture_helper").wanted(eager)
     assert not registry.get("cuda_graphs.fsdp_capture_helper").wanted(ddp_graphs)
     assert registry.get("cuda_graphs.static_inputs_params_dtype").wanted(ddp_graphs)
-    # a bf16 model gets upstream's bf16 capture inputs already: no patch, so upstream mode can graph it
+    # a bf16 model gets upstream's bf16 capture inputs already: no patch, so upstream mode can graph
+    # it
     assert not registry.get("cuda_graphs.static_inputs_params_dtype").wanted(bf16_graphs)
 
 

@@ -5,8 +5,8 @@ gradient plumbing are checked on the CPU; tests/gpu/features/grouped_mm/ compare
 
 import pytest
 import torch
-from megatron.patchset.features.grouped_mm import linears
 
+from megatron.patchset.features.grouped_mm import linears
 
 IN, OUT = 32, 16
 
@@ -15,9 +15,13 @@ IN, OUT = 32, 16
 SPLITS = [0, 5, 3, 0, 9, 1, 0]
 
 
-def expert_weights(n=len(SPLITS), requires_grad=True, seed=0, shape=(OUT, IN)):
+def expert_weights(n=None, requires_grad=True, seed=0, shape=(OUT, IN)):
+    n = len(SPLITS) if n is None else n
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=gen).to(torch.bfloat16).requires_grad_(requires_grad) for _ in range(n)]
+    return [
+        torch.randn(*shape, generator=gen).to(torch.bfloat16).requires_grad_(requires_grad)
+        for _ in range(n)
+    ]
 
 
 def rows(m, width=IN, seed=1):
@@ -40,20 +44,33 @@ class FakeTEGroupedLinear(torch.nn.Module):
 
 
 def grouped_mlp(splits):
-    import torch.nn.functional as F
     from types import SimpleNamespace
 
+    import torch.nn.functional as F
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=IN, num_attention_heads=4, num_moe_experts=len(splits),
-        moe_ffn_hidden_size=OUT, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        bias_activation_fusion=False, moe_grouped_gemm=True, bf16=True, params_dtype=torch.bfloat16,
+        num_layers=1,
+        hidden_size=IN,
+        num_attention_heads=4,
+        num_moe_experts=len(splits),
+        moe_ffn_hidden_size=OUT,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        moe_grouped_gemm=True,
+        bf16=True,
+        params_dtype=torch.bfloat16,
     )
-    submodules = GroupedMLPSubmodules(linear_fc1=linears.grouped_mm_linear(FakeTEGroupedLinear, "Column"),
-                                      linear_fc2=linears.grouped_mm_linear(FakeTEGroupedLinear, "Row"))
-    return TEGroupedMLP(len(splits), config, submodules, pg_collection=SimpleNamespace(ep=None, expt_tp=None))
+    submodules = GroupedMLPSubmodules(
+        linear_fc1=linears.grouped_mm_linear(FakeTEGroupedLinear, "Column"),
+        linear_fc2=linears.grouped_mm_linear(FakeTEGroupedLinear, "Row"),
+    )
+    return TEGroupedMLP(
+        len(splits), config, submodules, pg_collection=SimpleNamespace(ep=None, expt_tp=None)
+    )
 
 
 @pytest.fixture(autouse=True)

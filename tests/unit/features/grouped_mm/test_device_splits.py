@@ -3,10 +3,17 @@ megatron's own all-to-all dispatcher and TEGroupedMLP, without .tolist()."""
 
 import pytest
 import torch
+
 from megatron.patchset.core import registry
 from megatron.patchset.features.grouped_mm import linears
-from tests.unit.features.grouped_mm.conftest import FakeTEGroupedLinear, IN, OUT, SPLITS, grouped_mlp, rows
-
+from tests.unit.features.grouped_mm.conftest import (
+    IN,
+    OUT,
+    SPLITS,
+    FakeTEGroupedLinear,
+    grouped_mlp,
+    rows,
+)
 
 SPLIT_PATCHES = ["experts.splits_on_device_dispatcher", "experts.splits_on_device_grouped_mlp"]
 
@@ -35,7 +42,9 @@ def test_grouped_mlp_reads_the_token_counts_without_tolist(monkeypatch):
     mlp = grouped_mlp(splits)
     x = rows(sum(splits), IN)
     probs = torch.rand(sum(splits), generator=torch.Generator().manual_seed(3))
-    expected, _ = mlp(x, torch.tensor(splits), probs)  # upstream: .tolist(), offsets from the host list
+    expected, _ = mlp(
+        x, torch.tensor(splits), probs
+    )  # upstream: .tolist(), offsets from the host list
 
     def refuse(self):
         raise AssertionError("tokens_per_expert.tolist() called")
@@ -65,13 +74,15 @@ def test_grouped_mlp_patch_refuses_te_linears(split_patches):
 
 @pytest.fixture
 def alltoall_dispatcher(monkeypatch):
-    """A real MoEAlltoAllTokenDispatcher of megatron on one gloo rank (EP = TP = 1), 4 experts top-2."""
+    """A real MoEAlltoAllTokenDispatcher of megatron on one gloo rank (EP = TP = 1), 4 experts
+    top-2."""
     import warnings
 
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from tests.unit.support import cpu_shims
 
     cpu_shims.install(monkeypatch)
@@ -84,7 +95,9 @@ def alltoall_dispatcher(monkeypatch):
         return to_host(tensor, *args, **kwargs)
 
     monkeypatch.setattr(token_dispatcher, "maybe_move_tensor_to_cpu", counting_to_host)
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
     try:
         parallel_state.initialize_model_parallel()
 
@@ -92,12 +105,20 @@ def alltoall_dispatcher(monkeypatch):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 config = TransformerConfig(
-                    num_layers=1, hidden_size=IN, num_attention_heads=4, num_moe_experts=num_local_experts,
-                    moe_router_topk=2, moe_token_dispatcher_type="alltoall", use_cpu_initialization=True,
-                    moe_ffn_hidden_size=OUT, **overrides,
+                    num_layers=1,
+                    hidden_size=IN,
+                    num_attention_heads=4,
+                    num_moe_experts=num_local_experts,
+                    moe_router_topk=2,
+                    moe_token_dispatcher_type="alltoall",
+                    use_cpu_initialization=True,
+                    moe_ffn_hidden_size=OUT,
+                    **overrides,
                 )
             dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher(
-                num_local_experts, list(range(num_local_experts)), config,
+                num_local_experts,
+                list(range(num_local_experts)),
+                config,
                 pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
             )
             return dispatcher
@@ -115,8 +136,9 @@ def routing(tokens=6, experts_=4, topk=2, seed=0):
     return routing_map, routing_map.float() * 0.5
 
 
-def test_dispatcher_returns_the_counts_on_the_device_through_megatrons_own_dispatch(alltoall_dispatcher,
-                                                                                    split_patches):
+def test_dispatcher_returns_the_counts_on_the_device_through_megatrons_own_dispatch(
+    alltoall_dispatcher, split_patches
+):
     """One local expert (no chunk sort): megatron's dispatch path end to end; the token counts it
     hands the experts are the tensor preprocess computed, and nothing was copied to the host."""
     build, host_copies = alltoall_dispatcher

@@ -1,20 +1,34 @@
 """--moe-grouped-gemm-impl torch: the grouped GEMMs against per-expert matmuls, the main_grad
-contract with megatron's DDP, CUDA-graph capture, and the linears' rebinding in TE's spec provider."""
+contract with megatron's DDP, CUDA-graph capture, and the linears' rebinding in TE's spec
+provider."""
 
 import pytest
 import torch
-from megatron.patchset.core.registry import PatchsetError
+
 from megatron.patchset.core import registry
+from megatron.patchset.core.registry import PatchsetError
 from megatron.patchset.features.grouped_mm import linears
-from tests.unit.features.grouped_mm.conftest import FakeTEGroupedLinear, IN, OUT, SPLITS, expert_weights, grouped_mlp, rows
-from tests.unit.features.grouped_mm.conftest import tiny_parsed
+from tests.unit.features.grouped_mm.conftest import (
+    IN,
+    OUT,
+    SPLITS,
+    FakeTEGroupedLinear,
+    expert_weights,
+    grouped_mlp,
+    rows,
+    tiny_parsed,
+)
 
 
 def reference(x, splits, weights, dy):
     """Per-expert fp32 matmuls: output, input gradient, weight gradients."""
     outs, dxs, dws, start = [], [], [], 0
     for n, w in zip(splits, weights):
-        xe, dye, we = x[start:start + n].float(), dy[start:start + n].float(), w.detach().float()
+        xe, dye, we = (
+            x[start : start + n].float(),
+            dy[start : start + n].float(),
+            w.detach().float(),
+        )
         outs.append(xe @ we.t())
         dxs.append(dye @ we)
         dws.append(dye.t() @ xe)
@@ -125,19 +139,30 @@ def test_missing_main_grad_is_a_clear_error():
     for w in weights:
         w.grad_added_to_main_grad = False
     with pytest.raises(RuntimeError, match="no main_grad"):
-        linears.grouped_mm(rows(sum(SPLITS)), SPLITS, weights, fuse_accumulation=True).sum().backward()
+        linears.grouped_mm(
+            rows(sum(SPLITS)), SPLITS, weights, fuse_accumulation=True
+        ).sum().backward()
 
 
 def test_linear_subclass_runs_the_grouped_gemm_on_its_own_weights(capsys, monkeypatch):
     monkeypatch.setattr(linears, "_announced", set())
     cls = linears.grouped_mm_linear(FakeTEGroupedLinear, "Column")
-    assert issubclass(cls, FakeTEGroupedLinear) and cls.__name__ == "GroupedMMColumnParallelGroupedLinear"
+    assert (
+        issubclass(cls, FakeTEGroupedLinear)
+        and cls.__name__ == "GroupedMMColumnParallelGroupedLinear"
+    )
     linear = cls(len(SPLITS), IN, OUT)
     cls(len(SPLITS), IN, OUT)
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("megatron-patchset: experts'")]
-    assert lines == [f"megatron-patchset: experts' GroupedMMColumnParallelGroupedLinear runs forward, dgrad and "
-                     f"wgrad as one torch grouped_mm each ({len(SPLITS)} local experts, {IN} -> {OUT} before "
-                     f"tensor parallelism)"]
+    lines = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("megatron-patchset: experts'")
+    ]
+    assert lines == [
+        "megatron-patchset: experts' GroupedMMColumnParallelGroupedLinear runs forward, dgrad and "
+        f"wgrad as one torch grouped_mm each ({len(SPLITS)} local experts, {IN} -> {OUT} before "
+        "tensor parallelism)"
+    ]
     x = rows(sum(SPLITS))
     out, bias = linear(x, SPLITS)
     assert bias is None and linear.is_first_microbatch is False
@@ -163,9 +188,12 @@ def test_megatrons_te_grouped_mlp_runs_on_the_grouped_gemm_linears():
 
     expected, start = [], 0
     for e, n in enumerate(splits):
-        w1, w2 = getattr(mlp.linear_fc1, f"weight{e}").float(), getattr(mlp.linear_fc2, f"weight{e}").float()
-        gate, up = torch.chunk(x[start:start + n].detach().float() @ w1.t(), 2, dim=-1)
-        expected.append((F.silu(gate) * up * probs[start:start + n, None]) @ w2.t())
+        w1, w2 = (
+            getattr(mlp.linear_fc1, f"weight{e}").float(),
+            getattr(mlp.linear_fc2, f"weight{e}").float(),
+        )
+        gate, up = torch.chunk(x[start : start + n].detach().float() @ w1.t(), 2, dim=-1)
+        expected.append((F.silu(gate) * up * probs[start : start + n, None]) @ w2.t())
         start += n
     close(out, torch.cat(expected))
     out.float().pow(2).sum().backward()
@@ -189,7 +217,9 @@ def test_patches_rebind_the_names_te_spec_provider_builds_experts_from(monkeypat
     monkeypatch.setattr(provider, "TEColumnParallelGroupedLinear", column)
     monkeypatch.setattr(provider, "TERowParallelGroupedLinear", row)
     names = ["experts.grouped_mm_fc1", "experts.grouped_mm_fc2"]
-    assert all(registry.get(n).wanted(tiny_parsed("--moe-grouped-gemm-impl", "torch")) for n in names)
+    assert all(
+        registry.get(n).wanted(tiny_parsed("--moe-grouped-gemm-impl", "torch")) for n in names
+    )
     assert not any(registry.get(n).wanted(tiny_parsed()) for n in names)
     try:
         assert registry.apply_patches([registry.get(n) for n in names]) == names
@@ -201,7 +231,10 @@ def test_patches_rebind_the_names_te_spec_provider_builds_experts_from(monkeypat
         assert registry.patched_by(fc1) == "experts.grouped_mm_fc1"
     finally:
         registry.revert(names)
-    assert provider.TEColumnParallelGroupedLinear is column and provider.TERowParallelGroupedLinear is row
+    assert (
+        provider.TEColumnParallelGroupedLinear is column
+        and provider.TERowParallelGroupedLinear is row
+    )
 
 
 @pytest.mark.parametrize("descending", [False, True])
@@ -255,13 +288,16 @@ def test_stacked_view_refuses_gaps_and_mixed_shapes():
 
 def test_inside_a_graph_capture_the_reversed_copy_is_skipped(monkeypatch):
     """While a CUDA graph is captured, launches are free at replay: the main grads lying in reverse
-    order take one add per expert instead of a reversed copy of the weight gradients plus one add."""
+    order take one add per expert instead of a reversed copy of the weight gradients plus one
+    add."""
     weights = expert_weights()
     buffer = torch.full((len(weights), OUT, IN), 0.5)
     for i, w in enumerate(weights):
         w.main_grad = buffer[len(weights) - 1 - i]
         w.grad_added_to_main_grad = False
-    linears._wgrad_out_dtype(torch.float32, torch.device("cpu"))  # the probe runs before any capture
+    linears._wgrad_out_dtype(
+        torch.float32, torch.device("cpu")
+    )  # the probe runs before any capture
     monkeypatch.setattr(linears, "capturing", lambda device: True)
 
     def refuse(*args, **kwargs):

@@ -3,19 +3,19 @@ DistributedDataParallel (gloo, one process; with and without the distributed-opt
 layout), trained with Adam. The storage bookkeeping is checked directly; training after an
 offload/reload cycle must continue bit-identically to a twin run that never offloaded.
 
-The GPU tier (tests/gpu/features/offload/test_offload.py) adds megatron's distributed optimizer, real device memory
+The GPU tier (tests/gpu/features/offload/test_offload.py) adds megatron's distributed optimizer,
+real device memory
 and pinned copies."""
 
 import json
 
 import pytest
 import torch.multiprocessing as mp
+
 from megatron.patchset.features import offload
 from tests.unit.support.cpu_train import free_port
 
 STEPS_BEFORE, STEPS_AFTER = 3, 3
-
-
 
 
 def _build(distributed_optimizer: bool):
@@ -30,16 +30,32 @@ def _build(distributed_optimizer: bool):
     torch.manual_seed(7)
     model_parallel_cuda_manual_seed(7) if torch.cuda.is_available() else None
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=48,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16
+    )
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed_optimizer, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
         bucket_size=None,
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -77,9 +93,12 @@ def _step(ddp, optimizer, batch):
 def worker(rank, port, out, distributed_optimizer):
     import os
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0"
+    )
     import torch
     from megatron.core import parallel_state
+
     from tests.unit.support import cpu_shims
 
     patcher = pytest.MonkeyPatch()
@@ -91,7 +110,9 @@ def worker(rank, port, out, distributed_optimizer):
 
     # Twin run: never offloaded.
     ddp, optimizer = _build(distributed_optimizer)
-    record["twin_losses"] = [_step(ddp, optimizer, batch) for _ in range(STEPS_BEFORE + STEPS_AFTER)]
+    record["twin_losses"] = [
+        _step(ddp, optimizer, batch) for _ in range(STEPS_BEFORE + STEPS_AFTER)
+    ]
 
     ddp, optimizer = _build(distributed_optimizer)
     losses = [_step(ddp, optimizer, batch) for _ in range(STEPS_BEFORE)]
@@ -101,12 +122,22 @@ def worker(rank, port, out, distributed_optimizer):
         "values": {n: p.detach().clone() for n, p in params.items()},
         "ids": {n: id(p) for n, p in params.items()},
         "main_grad_ids": {n: id(p.main_grad) for n, p in params.items()},
-        "state": {n: {k: v.clone() for k, v in optimizer.state[p].items()} for n, p in params.items()},
+        "state": {
+            n: {k: v.clone() for k, v in optimizer.state[p].items()} for n, p in params.items()
+        },
         "grad_bytes": sum(b.grad_data.untyped_storage().nbytes() for b in buffers),
-        "param_bytes": sum(b.param_data.untyped_storage().nbytes() for b in buffers if b.param_data is not None),
+        "param_bytes": sum(
+            b.param_data.untyped_storage().nbytes() for b in buffers if b.param_data is not None
+        ),
     }
-    in_buffer = {n: any(b.param_data is not None and p.untyped_storage().data_ptr() == b.param_data.untyped_storage().data_ptr()
-                        for b in buffers) for n, p in params.items()}
+    in_buffer = {
+        n: any(
+            b.param_data is not None
+            and p.untyped_storage().data_ptr() == b.param_data.untyped_storage().data_ptr()
+            for b in buffers
+        )
+        for n, p in params.items()
+    }
     record["params_in_buffer"] = sum(in_buffer.values())
     record["num_params"] = len(params)
     record["planned"] = offload.storages(ddp, optimizer, include_optimizer=True)
@@ -118,8 +149,12 @@ def worker(rank, port, out, distributed_optimizer):
         "params": sum(p.untyped_storage().nbytes() for p in params.values()),
         "main_grads": sum(p.main_grad.untyped_storage().nbytes() for p in params.values()),
         "grad_data": sum(b.grad_data.untyped_storage().nbytes() for b in buffers),
-        "optimizer_state": sum(v.untyped_storage().nbytes() for s in optimizer.state.values()
-                               for v in s.values() if v.dim() > 0),
+        "optimizer_state": sum(
+            v.untyped_storage().nbytes()
+            for s in optimizer.state.values()
+            for v in s.values()
+            if v.dim() > 0
+        ),
     }
     try:
         ddp(*batch[:1], batch[2], batch[3])
@@ -137,15 +172,24 @@ def worker(rank, port, out, distributed_optimizer):
     record["is_offloaded_after_reload"] = offload.is_offloaded(ddp)
     after = dict(ddp.named_parameters())
     record["same_parameter_objects"] = all(id(after[n]) == i for n, i in before["ids"].items())
-    record["same_main_grad_objects"] = all(id(after[n].main_grad) == i for n, i in before["main_grad_ids"].items())
+    record["same_main_grad_objects"] = all(
+        id(after[n].main_grad) == i for n, i in before["main_grad_ids"].items()
+    )
     record["values_restored"] = all(torch.equal(after[n], v) for n, v in before["values"].items())
     record["state_restored"] = all(
-        torch.equal(optimizer.state[after[n]][k], v) for n, s in before["state"].items() for k, v in s.items()
+        torch.equal(optimizer.state[after[n]][k], v)
+        for n, s in before["state"].items()
+        for k, v in s.items()
     )
     record["main_grads_zero"] = all(not p.main_grad.any() for p in after.values())
     record["still_in_buffer"] = sum(
-        any(b.param_data is not None and p.untyped_storage().data_ptr() == b.param_data.untyped_storage().data_ptr()
-            for b in buffers) for p in after.values())
+        any(
+            b.param_data is not None
+            and p.untyped_storage().data_ptr() == b.param_data.untyped_storage().data_ptr()
+            for b in buffers
+        )
+        for p in after.values()
+    )
     record["grad_bytes_after_reload"] = sum(b.grad_data.untyped_storage().nbytes() for b in buffers)
     record["before_bytes"] = {"grad": before["grad_bytes"], "param": before["param_bytes"]}
 
@@ -153,7 +197,11 @@ def worker(rank, port, out, distributed_optimizer):
     with offload.offloaded(ddp) as inner:
         record["context_kept_bytes"] = inner.kept_bytes
         record["context_optimizer_untouched"] = all(
-            v.untyped_storage().nbytes() > 0 for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
+            v.untyped_storage().nbytes() > 0
+            for s in optimizer.state.values()
+            for v in s.values()
+            if v.dim() > 0
+        )
     losses += [_step(ddp, optimizer, batch) for _ in range(STEPS_AFTER)]
     record["losses"] = losses
 
@@ -161,12 +209,18 @@ def worker(rank, port, out, distributed_optimizer):
     # parameter from the DDP buffer, which keeps its memory and no longer feeds the module.
     if distributed_optimizer:
         name, param = next((n, p) for n, p in ddp.named_parameters() if in_buffer[n])
-        buffer = next(b for b in buffers if b.param_data is not None
-                      and param.untyped_storage().data_ptr() == b.param_data.untyped_storage().data_ptr())
+        buffer = next(
+            b
+            for b in buffers
+            if b.param_data is not None
+            and param.untyped_storage().data_ptr() == b.param_data.untyped_storage().data_ptr()
+        )
         held = buffer.param_data.untyped_storage().nbytes()
         param.data = param.data.clone()  # stands in for .cpu() and back
         record["naive_buffer_bytes_kept"] = buffer.param_data.untyped_storage().nbytes() == held
-        record["naive_still_in_buffer"] = param.untyped_storage().data_ptr() == buffer.param_data.untyped_storage().data_ptr()
+        record["naive_still_in_buffer"] = (
+            param.untyped_storage().data_ptr() == buffer.param_data.untyped_storage().data_ptr()
+        )
         snapshot = param.detach().clone()
         buffer.param_data.add_(1.0)  # what the distributed optimizer's update does to the buffer
         record["naive_update_reaches_param"] = not torch.equal(param.detach(), snapshot)
@@ -203,7 +257,8 @@ def test_bookkeeping_follows_the_buffer_layout(result):
     labels = [label for _, _, owners in planned for label in owners]
     kept = {label for _, keep, owners in planned if keep for label in owners}
     if result["distributed_optimizer"]:
-        # Every parameter is a view of a param_data buffer: one storage per buffer, not per parameter.
+        # Every parameter is a view of a param_data buffer: one storage per buffer, not per
+        # parameter.
         assert result["params_in_buffer"] == result["num_params"]
         assert any(".param_data" in label for label in kept)
         param_storages = [s for s in planned if any(".param_data" in o for o in s[2])]
@@ -216,7 +271,9 @@ def test_bookkeeping_follows_the_buffer_layout(result):
     assert grad_storages and not any(keep for _, keep, _ in grad_storages)
     assert all(any(".main_grad" in o for o in owners) for _, _, owners in grad_storages)
     # The optimizer's moments are kept.
-    assert any(".exp_avg" in label for label in kept) and any(".exp_avg_sq" in label for label in kept)
+    assert any(".exp_avg" in label for label in kept) and any(
+        ".exp_avg_sq" in label for label in kept
+    )
 
 
 def test_reload_restores_identity_values_and_aliasing(result):

@@ -10,8 +10,10 @@ import contextlib
 import inspect
 import itertools
 import types
+
 import pytest
 import torch
+
 from megatron.patchset.core import registry
 from megatron.patchset.features.p2p_overlap import flags as p2p_flags
 from megatron.patchset.features.p2p_overlap import schedule_plan
@@ -163,7 +165,9 @@ def record(tape, run, f_layers, b_layers, config, *, cbs=True, early=False, post
 
 
 def upstream_run():
-    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+    from megatron.core.models.common.model_chunk_schedule_plan import (
+        TransformerModelChunkSchedulePlan,
+    )
 
     return TransformerModelChunkSchedulePlan.run
 
@@ -173,19 +177,25 @@ LAYER_COUNTS = (None, 0, 1, 2, 3)
 
 GRID = [
     (f, b, cbs, early, post)
-    for f, b, cbs, early, post in itertools.product(LAYER_COUNTS, LAYER_COUNTS, (False, True), (False, True), (False, True))
+    for f, b, cbs, early, post in itertools.product(
+        LAYER_COUNTS, LAYER_COUNTS, (False, True), (False, True), (False, True)
+    )
     if not (f is None and b is None)
 ]
 
 
-@pytest.mark.parametrize("config", [types.SimpleNamespace(), options()], ids=["no-options", "explicit-defaults"])
+@pytest.mark.parametrize(
+    "config", [types.SimpleNamespace(), options()], ids=["no-options", "explicit-defaults"]
+)
 def test_default_options_reproduce_upstream_order(tape, config):
     """Every layer-count combination, with and without callbacks, early attention release and
     an output layer: the fork's tape equals megatron-core's, call for call."""
     upstream = upstream_run()
     for f, b, cbs, early, post in GRID:
         want, _, _ = record(tape, upstream, f, b, config, cbs=cbs, early=early, post=post)
-        got, _, _ = record(tape, schedule_plan.run_chunk, f, b, config, cbs=cbs, early=early, post=post)
+        got, _, _ = record(
+            tape, schedule_plan.run_chunk, f, b, config, cbs=cbs, early=early, post=post
+        )
         assert got == want, (f, b, cbs, early, post)
 
 
@@ -195,7 +205,16 @@ def test_comm_stream_option_without_backward_p2p_is_upstream(tape):
     upstream = upstream_run()
     for f, b, _, early, post in GRID:
         want, _, _ = record(tape, upstream, f, b, options(), cbs=False, early=early, post=post)
-        got, _, _ = record(tape, schedule_plan.run_chunk, f, b, options(comm=True), cbs=False, early=early, post=post)
+        got, _, _ = record(
+            tape,
+            schedule_plan.run_chunk,
+            f,
+            b,
+            options(comm=True),
+            cbs=False,
+            early=early,
+            post=post,
+        )
         assert got == want, (f, b, early, post)
 
 
@@ -233,7 +252,9 @@ def one(events, prefix):
 @pytest.mark.parametrize("n", [1, 2, 3, 5], ids=["N1", "N2", "Nall", "Nbeyond"])
 def test_weight_gradients_around_post_backward(tape, n, tl, comm):
     layers = 3
-    events, f, b = record(tape, schedule_plan.run_chunk, layers, layers, options(comm=comm, n=n, tl=tl))
+    events, f, b = record(
+        tape, schedule_plan.run_chunk, layers, layers, options(comm=comm, n=n, tl=tl)
+    )
     post_backward = one(events, "post_backward")
     deferred = list(range(min(n, layers)))  # model layers 0 .. N-1 (the last N backward layers)
 
@@ -245,8 +266,12 @@ def test_weight_gradients_around_post_backward(tape, n, tl, comm):
         attn_w, mlp_w = one(events, f"battn{i}.W"), one(events, f"bmlp{i}.W")
         release = one(events, f"bL{i}.release")
         if i in deferred:
-            assert attn_w > post_backward, f"layer {i}: attention wgrad should wait for post_backward"
-            assert (mlp_w > post_backward) == tl, f"layer {i}: MLP wgrad deferred iff transformer-layer option"
+            assert attn_w > post_backward, (
+                f"layer {i}: attention wgrad should wait for post_backward"
+            )
+            assert (mlp_w > post_backward) == tl, (
+                f"layer {i}: MLP wgrad deferred iff transformer-layer option"
+            )
             if tl:
                 assert mlp_w == attn_w - 1  # MLP first, then attention, of the same layer
             assert release == attn_w + 1
@@ -282,9 +307,15 @@ def test_deferral_in_the_backward_only_remainder(tape):
     post_backward = one(events, "post_backward")
     assert one(events, "battn2.W") < post_backward
     for i in (0, 1):
-        assert one(events, f"battn{i}.W") > post_backward and one(events, f"bmlp{i}.W") > post_backward
+        assert (
+            one(events, f"battn{i}.W") > post_backward and one(events, f"bmlp{i}.W") > post_backward
+        )
     assert [e for e in events if e.endswith(".W@comp")][-4:] == [
-        "bmlp1.W@comp", "battn1.W@comp", "bmlp0.W@comp", "battn0.W@comp"]
+        "bmlp1.W@comp",
+        "battn1.W@comp",
+        "bmlp0.W@comp",
+        "battn0.W@comp",
+    ]
 
 
 def test_early_attention_runs_once_when_the_backward_chunk_has_no_layers(tape):
@@ -303,7 +334,9 @@ def test_no_early_attention_without_a_backward_plan(tape):
 
 
 def test_early_attention_with_early_memory_release(tape):
-    events, _, b = record(tape, schedule_plan.run_chunk, 2, 2, options(comm=True, n=2, tl=True), early=True)
+    events, _, b = record(
+        tape, schedule_plan.run_chunk, 2, 2, options(comm=True, n=2, tl=True), early=True
+    )
     assert len(positions(events, "fattn0.F")) == 1
     assert one(events, "battn1.B") < one(events, "fmlp0.F")  # early release kept
     for layer in b.all_layers:
@@ -312,21 +345,56 @@ def test_early_attention_with_early_memory_release(tape):
 
 GOLDEN_N2_TL_COMM = [
     # forward start, with layer 0's attention before the backward receive
-    "pre_forward@comp", "frec@comp", "fpre.F@comp", "fattn0.F@comp",
-    "brec@comp", "pre_backward@comp", "brec@comp", "bpost.B@comp",
+    "pre_forward@comp",
+    "frec@comp",
+    "fpre.F@comp",
+    "fattn0.F@comp",
+    "brec@comp",
+    "pre_backward@comp",
+    "brec@comp",
+    "bpost.B@comp",
     # f layer 0 with b layer 1 (attention already issued; both wgrads of b layer 1 wait)
-    "bmtp1.B@comp", "bcomb1.B@comp", "bmlp1.B@comp", "fdisp0.F@comp", "bdisp1.B@comp",
-    "fmlp0.F@comp", "fcomb0.F@comp", "battn1.B@comp", "fmtp0.F@comp",
+    "bmtp1.B@comp",
+    "bcomb1.B@comp",
+    "bmlp1.B@comp",
+    "fdisp0.F@comp",
+    "bdisp1.B@comp",
+    "fmlp0.F@comp",
+    "fcomb0.F@comp",
+    "battn1.B@comp",
+    "fmtp0.F@comp",
     # f layer 1 with b layer 0 (deferred too)
-    "bmtp0.B@comp", "bcomb0.B@comp", "fattn1.F@comp", "bmlp0.B@comp", "fdisp1.F@comp",
-    "bdisp0.B@comp", "fmlp1.F@comp", "fcomb1.F@comp", "battn0.B@comp", "fmtp1.F@comp",
+    "bmtp0.B@comp",
+    "bcomb0.B@comp",
+    "fattn1.F@comp",
+    "bmlp0.B@comp",
+    "fdisp1.F@comp",
+    "bdisp0.B@comp",
+    "fmlp1.F@comp",
+    "fcomb1.F@comp",
+    "battn0.B@comp",
+    "fmtp1.F@comp",
     # both P2Ps on the communication stream
-    "enter:comm", "fwait@comm", "post_forward@comm", "exit:comm",
-    "enter:comm", "bwait@comm", "post_backward@comm", "exit:comm",
+    "enter:comm",
+    "fwait@comm",
+    "post_forward@comm",
+    "exit:comm",
+    "enter:comm",
+    "bwait@comm",
+    "post_backward@comm",
+    "exit:comm",
     # deferred weight gradients, backward order, overlapping the P2P
-    "bmlp1.W@comp", "battn1.W@comp", "bL1.release",
-    "bmlp0.W@comp", "battn0.W@comp", "bL0.release",
-    "fpost.F@comp", "bpre.B@comp", "fwait@comp", "bwait@comp", "bchunk.release",
+    "bmlp1.W@comp",
+    "battn1.W@comp",
+    "bL1.release",
+    "bmlp0.W@comp",
+    "battn0.W@comp",
+    "bL0.release",
+    "fpost.F@comp",
+    "bpre.B@comp",
+    "fwait@comp",
+    "bwait@comp",
+    "bchunk.release",
 ]
 
 
@@ -348,16 +416,23 @@ def test_classes_subclass_megatron_and_use_the_fork_runs():
     assert issubclass(schedule_plan.P2POverlapLayerSchedulePlan, TransformerLayerSchedulePlan)
     assert issubclass(schedule_plan.P2POverlapChunkSchedulePlan, TransformerModelChunkSchedulePlan)
     assert issubclass(schedule_plan.P2POverlapGPTModel, GPTModel)
-    assert schedule_plan.P2POverlapChunkSchedulePlan.LAYER_SCHEDULE_PLAN_CLASS is schedule_plan.P2POverlapLayerSchedulePlan
+    assert (
+        schedule_plan.P2POverlapChunkSchedulePlan.LAYER_SCHEDULE_PLAN_CLASS
+        is schedule_plan.P2POverlapLayerSchedulePlan
+    )
     assert isinstance(schedule_plan.P2POverlapChunkSchedulePlan.__dict__["run"], staticmethod)
     assert schedule_plan.P2POverlapChunkSchedulePlan.run is schedule_plan.run_chunk
     assert schedule_plan.P2POverlapLayerSchedulePlan.run is schedule_plan.run_layer
-    assert schedule_plan.P2POverlapGPTModel.__module__ == "megatron.patchset.features.p2p_overlap.schedule_plan"
+    assert (
+        schedule_plan.P2POverlapGPTModel.__module__
+        == "megatron.patchset.features.p2p_overlap.schedule_plan"
+    )
     # megatron's schedule calls build_schedule_plan with upstream's signature.
     ours = inspect.signature(schedule_plan.P2POverlapGPTModel.build_schedule_plan).parameters
     theirs = inspect.signature(GPTModel.build_schedule_plan).parameters
     assert [(p.name, p.kind, p.default) for p in ours.values()] == [
-        (p.name, p.kind, p.default) for p in theirs.values()]
+        (p.name, p.kind, p.default) for p in theirs.values()
+    ]
     with pytest.raises(AttributeError):
         schedule_plan.NoSuchClass  # noqa: B018
 
@@ -366,7 +441,9 @@ def test_classes_subclass_megatron_and_use_the_fork_runs():
 def single_process_group():
     from megatron.core import parallel_state
 
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
     try:
         parallel_state.initialize_model_parallel()
         yield
@@ -386,22 +463,34 @@ def test_build_schedule_plan_returns_the_fork_plan(single_process_group, monkeyp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = TransformerConfig(
-            num_layers=3, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-            num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
-            moe_token_dispatcher_type="allgather", gradient_accumulation_fusion=False,
+            num_layers=3,
+            hidden_size=64,
+            num_attention_heads=4,
+            use_cpu_initialization=True,
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=64,
+            moe_token_dispatcher_type="allgather",
+            gradient_accumulation_fusion=False,
             persist_layer_norm=False,
         )
         p2p_flags.set_p2p_overlap_options(config, overlap_p2p_wgrad_delayed_layer_number=2)
         model = schedule_plan.P2POverlapGPTModel(
-            config=config, transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-            vocab_size=128, max_sequence_length=16,
+            config=config,
+            transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+            vocab_size=128,
+            max_sequence_length=16,
         )
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: object())
     tokens = torch.zeros(1, 8, dtype=torch.long)
-    plan = model.build_schedule_plan(tokens, torch.arange(8)[None], None, labels=tokens, loss_mask=torch.ones(1, 8))
+    plan = model.build_schedule_plan(
+        tokens, torch.arange(8)[None], None, labels=tokens, loss_mask=torch.ones(1, 8)
+    )
     assert type(plan) is schedule_plan.P2POverlapChunkSchedulePlan
     assert plan.num_layers() == 3
-    assert all(type(plan.get_layer(i)) is schedule_plan.P2POverlapLayerSchedulePlan for i in range(3))
+    assert all(
+        type(plan.get_layer(i)) is schedule_plan.P2POverlapLayerSchedulePlan for i in range(3)
+    )
     assert plan.config is config
     assert p2p_flags.options_from_config(plan.config).wgrad_delayed_layers == 2
     assert plan.post_process is not None and plan.state.labels is tokens
@@ -411,10 +500,14 @@ def test_patch_is_registered_as_a_feature():
     patch = registry.get(schedule_plan.PATCH_NAME)
     assert patch.target == "megatron.training.models.gpt.GPTModel"
     assert patch.kind == "feature"
-    assert patch.when == p2p_flags.FLAGS == (
-        "--overlap-p2p-backward-on-comm-stream",
-        "--overlap-p2p-wgrad-delayed-layer-number",
-        "--overlap-p2p-with-transformer-layer-wgrad",
+    assert (
+        patch.when
+        == p2p_flags.FLAGS
+        == (
+            "--overlap-p2p-backward-on-comm-stream",
+            "--overlap-p2p-wgrad-delayed-layer-number",
+            "--overlap-p2p-with-transformer-layer-wgrad",
+        )
     )
     assert "4268" in patch.upstream
     assert not patch.wanted(options()) and not patch.wanted(None)

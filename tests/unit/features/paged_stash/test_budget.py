@@ -1,16 +1,24 @@
 """HybridEP's static receive budget restored on CUDA-graph replay."""
 
 import types
+
 import torch
+
 from megatron.patchset.core import registry
 from megatron.patchset.features.paged_stash import budget
 
 
 def _hybridep_manager(**kw):
     cfg = types.SimpleNamespace(moe_router_topk=2)
-    m = types.SimpleNamespace(config=cfg, moe_expert_rank_capacity_factor=1.5, num_permuted_tokens=None,
-                              drop_and_pad=False, routing_map=torch.zeros(4096, 8, dtype=torch.bool),
-                              _padded_num_tokens=None, _original_num_tokens=None)
+    m = types.SimpleNamespace(
+        config=cfg,
+        moe_expert_rank_capacity_factor=1.5,
+        num_permuted_tokens=None,
+        drop_and_pad=False,
+        routing_map=torch.zeros(4096, 8, dtype=torch.bool),
+        _padded_num_tokens=None,
+        _original_num_tokens=None,
+    )
     for k, v in kw.items():
         setattr(m, k, v)
     return m

@@ -2,11 +2,12 @@
 zero input gradient), and the saved input megatron's real paged-stash hook pages."""
 
 import types
+
 import pytest
 import torch
+
 from megatron.patchset.core import registry
-from megatron.patchset.features.paged_stash import budget
-from megatron.patchset.features.paged_stash import expert_ops
+from megatron.patchset.features.paged_stash import budget, expert_ops
 
 
 class FakeTEGroupedLinear:
@@ -20,16 +21,25 @@ class FakeTEGroupedLinear:
         self._scale_bias = False
         self.single_grouped_weight = False
 
-    def _fuser_forward_split_quantize(self, *, input_, split_sizes, scales, dtype, device, out_buffer=None, **_):
+    def _fuser_forward_split_quantize(
+        self, *, input_, split_sizes, scales, dtype, device, out_buffer=None, **_
+    ):
         sizes = [int(s) for s in split_sizes.tolist()]
         xs = torch.split(input_, sizes)  # raises unless the sizes cover every row, as in TE
-        out = torch.empty((input_.shape[0], self.out_features), dtype=dtype) if out_buffer is None else out_buffer
-        assert tuple(out.shape) == (input_.shape[0], self.out_features), "TE validate_or_alloc_output"
+        out = (
+            torch.empty((input_.shape[0], self.out_features), dtype=dtype)
+            if out_buffer is None
+            else out_buffer
+        )
+        assert tuple(out.shape) == (input_.shape[0], self.out_features), (
+            "TE validate_or_alloc_output"
+        )
         out.copy_(torch.cat([x @ w.t() for x, w in zip(xs, self.weights)]))
         return out, (split_sizes, None, None, None, None, *xs, *self.weights)
 
-    def fuser_forward_save_ctx(self, basic_op_ctxs, input_, tensors_to_save, *, requires_grad,
-                               use_grouped_tensor_path, **_):
+    def fuser_forward_save_ctx(
+        self, basic_op_ctxs, input_, tensors_to_save, *, requires_grad, use_grouped_tensor_path, **_
+    ):
         ctx = basic_op_ctxs[0]
         ctx.to_save = tuple(tensors_to_save[0])
         ctx.dtype = self.weight0.dtype
@@ -43,7 +53,11 @@ class FakeTEGroupedLinear:
         ws = saved[5 + self.num_groups :]
         dys = torch.split(grad_output, sizes)
         rows = grad_output.shape[0]
-        dx = torch.empty((rows, self.in_features), dtype=ctx.dtype) if ctx.dgrad_out is None else ctx.dgrad_out
+        dx = (
+            torch.empty((rows, self.in_features), dtype=ctx.dtype)
+            if ctx.dgrad_out is None
+            else ctx.dgrad_out
+        )
         assert tuple(dx.shape) == (rows, self.in_features)
         dx.copy_(torch.cat([dy @ w for dy, w in zip(dys, ws)]))
         dws = [dy.t() @ x for dy, x in zip(dys, xs)]
@@ -69,8 +83,11 @@ class _FuserFunction(torch.autograd.Function):
     def forward(func_ctx, x, op, split_sizes):
         ctx = types.SimpleNamespace(requires_grad=True)
         out, saved = op._fuser_forward_split_quantize(
-            input_=x, split_sizes=split_sizes, scales=None, dtype=x.dtype, device=x.device)
-        op.fuser_forward_save_ctx([ctx], x, [saved], requires_grad=[True], use_grouped_tensor_path=False)
+            input_=x, split_sizes=split_sizes, scales=None, dtype=x.dtype, device=x.device
+        )
+        op.fuser_forward_save_ctx(
+            [ctx], x, [saved], requires_grad=[True], use_grouped_tensor_path=False
+        )
         slots = [t is not None for t in ctx.to_save]
         func_ctx.save_for_backward(*[t for t in ctx.to_save if t is not None])
         func_ctx.slots, func_ctx.op, func_ctx.opctx = slots, op, ctx
@@ -97,7 +114,7 @@ def make_case(rows=12, sizes=(3, 0, 4), width=5, out=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     weights = [torch.randn(out, width, generator=g, dtype=torch.float64) for _ in sizes]
     x = torch.randn(rows, width, generator=g, dtype=torch.float64)
-    x[sum(sizes):] = float("nan")  # slack rows of a static buffer hold anything
+    x[sum(sizes) :] = float("nan")  # slack rows of a static buffer hold anything
     grad = torch.randn(rows, out, generator=g, dtype=torch.float64)
     return weights, x, list(sizes), grad
 
@@ -116,13 +133,17 @@ def test_megatron_expert_ops_are_adopted():
     other = torch.nn.Identity()
     ops = [FakeTEGroupedLinear(weights), FakeTEScaledSwiGLU(), FakeTEGroupedLinear(weights), other]
     assert expert_ops.adopt_ops(ops, FakeTEGroupedLinear, FakeTEScaledSwiGLU) == 3
-    assert [type(o).__name__ for o in ops] == ["PagedStashGroupedLinear", "PagedStashScaledSwiGLU",
-                                               "PagedStashGroupedLinear", "Identity"]
+    assert [type(o).__name__ for o in ops] == [
+        "PagedStashGroupedLinear",
+        "PagedStashScaledSwiGLU",
+        "PagedStashGroupedLinear",
+        "Identity",
+    ]
     assert type(ops[0]) is type(ops[2]) and isinstance(ops[0], FakeTEGroupedLinear)
     assert expert_ops.adopt_ops(ops, FakeTEGroupedLinear, FakeTEScaledSwiGLU) == 0  # idempotent
     _, x, sizes, grad = make_case()
     out, _ = run(ops[0], x, sizes, grad)  # slack rows now work
-    assert torch.count_nonzero(out[sum(sizes):]) == 0
+    assert torch.count_nonzero(out[sum(sizes) :]) == 0
 
     class Fused:
         pass
@@ -139,9 +160,16 @@ def test_megatron_expert_ops_are_adopted():
     te_ops.ScaledSwiGLU = FakeTEScaledSwiGLU
     te_gl = types.ModuleType("transformer_engine.pytorch.ops.basic.grouped_linear")
     te_gl.GroupedLinear = FakeTEGroupedLinear
-    saved = {k: sys.modules.get(k) for k in ("transformer_engine", "transformer_engine.pytorch",
-                                            "transformer_engine.pytorch.ops", "transformer_engine.pytorch.ops.basic",
-                                            "transformer_engine.pytorch.ops.basic.grouped_linear")}
+    saved = {
+        k: sys.modules.get(k)
+        for k in (
+            "transformer_engine",
+            "transformer_engine.pytorch",
+            "transformer_engine.pytorch.ops",
+            "transformer_engine.pytorch.ops.basic",
+            "transformer_engine.pytorch.ops.basic.grouped_linear",
+        )
+    }
     try:
         for k in saved:
             sys.modules[k] = types.ModuleType(k)
@@ -155,7 +183,10 @@ def test_megatron_expert_ops_are_adopted():
                 sys.modules.pop(k, None)
             else:
                 sys.modules[k] = v
-    assert [type(o).__name__ for o in built] == ["PagedStashGroupedLinear", "PagedStashScaledSwiGLU"]
+    assert [type(o).__name__ for o in built] == [
+        "PagedStashGroupedLinear",
+        "PagedStashScaledSwiGLU",
+    ]
 
 
 def test_split_path_without_patch_fails_on_slack_rows():
@@ -212,7 +243,9 @@ def _enter(mgr, rows, total, avg=None):
     mgr.max_num_tokens = rows
     mgr.avg_num_tokens = avg
     mgr.num_tokens_tensor = torch.tensor(total)
-    return torch.autograd.graph.saved_tensors_hooks(mgr.on_save_for_backward, mgr.on_get_saved_tensor)
+    return torch.autograd.graph.saved_tensors_hooks(
+        mgr.on_save_for_backward, mgr.on_get_saved_tensor
+    )
 
 
 def test_unpatched_op_is_not_paged(manager):
@@ -292,7 +325,9 @@ def test_mark_for_stash_grouped_storage():
     storage = types.SimpleNamespace(rowwise_data=data, columnwise_data=None)
     assert expert_ops.mark_for_stash(storage) and getattr(data, expert_ops.STASH_MARK) is False
     quantized = types.SimpleNamespace(rowwise_data=torch.zeros(1), columnwise_data=torch.zeros(1))
-    assert not expert_ops.mark_for_stash(quantized) and not hasattr(quantized.columnwise_data, expert_ops.STASH_MARK)
+    assert not expert_ops.mark_for_stash(quantized) and not hasattr(
+        quantized.columnwise_data, expert_ops.STASH_MARK
+    )
     assert not expert_ops.mark_for_stash(None)
 
 

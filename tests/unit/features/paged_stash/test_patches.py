@@ -8,15 +8,26 @@ from tests.unit.features.paged_stash.conftest import GRAPHS, STASH
 def test_patches_registered_with_targets_and_switches():
     names = {p.name: p for p in registry.registered()}
     expected = {
-        "paged_stash.te_expert_ops": ("megatron.core.transformer.moe.experts.TEGroupedMLP._make_fused_ops", "feature"),
+        "paged_stash.te_expert_ops": (
+            "megatron.core.transformer.moe.experts.TEGroupedMLP._make_fused_ops",
+            "feature",
+        ),
         "paged_stash.hybridep_budget_on_graph_replay": (
-            "megatron.core.transformer.moe.token_dispatcher._HybridEPManager.dispatch", "feature"),
+            "megatron.core.transformer.moe.token_dispatcher._HybridEPManager.dispatch",
+            "feature",
+        ),
         "paged_stash.report_buffers": (
-            "megatron.core.transformer.moe.paged_stash.PagedStashManager.allocate_stash_buffers", "observe"),
+            "megatron.core.transformer.moe.paged_stash.PagedStashManager.allocate_stash_buffers",
+            "observe",
+        ),
         "paged_stash.report_overflow": (
-            "megatron.core.transformer.moe.paged_stash.PagedStashRunner.check_moe_overflow", "observe"),
+            "megatron.core.transformer.moe.paged_stash.PagedStashRunner.check_moe_overflow",
+            "observe",
+        ),
         "paged_stash.defer_result_checks": (
-            "megatron.core.transformer.moe.paged_stash.PagedStashRunner.__init__", "feature"),
+            "megatron.core.transformer.moe.paged_stash.PagedStashRunner.__init__",
+            "feature",
+        ),
     }
     for name, (target, kind) in expected.items():
         assert names[name].target == target and names[name].kind == kind and names[name].reason
@@ -30,8 +41,13 @@ def test_patches_registered_with_targets_and_switches():
 
 
 def test_megatron_targets_resolve():
-    for name in ("paged_stash.te_expert_ops", "paged_stash.hybridep_budget_on_graph_replay",
-                 "paged_stash.report_buffers", "paged_stash.report_overflow", "paged_stash.defer_result_checks"):
+    for name in (
+        "paged_stash.te_expert_ops",
+        "paged_stash.hybridep_budget_on_graph_replay",
+        "paged_stash.report_buffers",
+        "paged_stash.report_overflow",
+        "paged_stash.defer_result_checks",
+    ):
         owner, attr = registry.resolve_owner(registry.get(name).target)
         assert callable(getattr(owner, attr))
 
@@ -40,13 +56,24 @@ def test_megatron_patches_apply_and_revert():
     from megatron.core.transformer.moe import paged_stash as upstream
 
     original = upstream.PagedStashRunner.check_moe_overflow
-    names = ["paged_stash.report_overflow", "paged_stash.report_buffers", "paged_stash.hybridep_budget_on_graph_replay",
-             "paged_stash.te_expert_ops", "paged_stash.defer_result_checks"]
+    names = [
+        "paged_stash.report_overflow",
+        "paged_stash.report_buffers",
+        "paged_stash.hybridep_budget_on_graph_replay",
+        "paged_stash.te_expert_ops",
+        "paged_stash.defer_result_checks",
+    ]
     original_init = upstream.PagedStashRunner.__init__
     try:
         registry.apply_patches([registry.get(n) for n in names])
-        assert registry.patched_by(upstream.PagedStashRunner.check_moe_overflow) == "paged_stash.report_overflow"
-        assert registry.patched_by(upstream.PagedStashRunner.__init__) == "paged_stash.defer_result_checks"
+        assert (
+            registry.patched_by(upstream.PagedStashRunner.check_moe_overflow)
+            == "paged_stash.report_overflow"
+        )
+        assert (
+            registry.patched_by(upstream.PagedStashRunner.__init__)
+            == "paged_stash.defer_result_checks"
+        )
     finally:
         registry.revert(names)
     assert upstream.PagedStashRunner.check_moe_overflow is original

@@ -3,11 +3,12 @@ put back) when the attempt overflowed, without keeping its autograd graph alive.
 
 import math
 import types
+
 import pytest
 import torch
+
 from megatron.patchset.core import registry
-from megatron.patchset.features.paged_stash import report
-from megatron.patchset.features.paged_stash import rerun
+from megatron.patchset.features.paged_stash import report, rerun
 
 
 class CheckingMachine:
@@ -37,8 +38,12 @@ def _attempt(machine, results):
 
 def test_checks_of_a_clean_stashed_attempt_are_replayed_in_order():
     machine, runner = CheckingMachine(), _runner()
-    deferred = rerun.DeferredResultChecks(runner, _attempt(machine, [("loss", 2.5), ("grad norm", 1.0)]),
-                                       lambda: machine, lambda r: (0, 0, 0))
+    deferred = rerun.DeferredResultChecks(
+        runner,
+        _attempt(machine, [("loss", 2.5), ("grad norm", 1.0)]),
+        lambda: machine,
+        lambda r: (0, 0, 0),
+    )
     assert deferred(forward_only=False) == "losses"
     assert machine.checked == [(2.5, "loss", False), (1.0, "grad norm", False)]
     assert getattr(runner, report.FLAGS_ATTR) == (0, 0, 0)
@@ -48,8 +53,12 @@ def test_checks_of_a_clean_stashed_attempt_are_replayed_in_order():
 def test_checks_of_an_overflowed_attempt_are_dropped(capsys):
     machine, runner = CheckingMachine(), _runner()
     nan = float("nan")
-    deferred = rerun.DeferredResultChecks(runner, _attempt(machine, [("loss", 2.5), ("grad norm", nan)]),
-                                       lambda: machine, lambda r: (1, 0, 0))
+    deferred = rerun.DeferredResultChecks(
+        runner,
+        _attempt(machine, [("loss", 2.5), ("grad norm", nan)]),
+        lambda: machine,
+        lambda r: (1, 0, 0),
+    )
     deferred(forward_only=False)
     assert machine.checked == [] and deferred.dropped == 2
     assert "2 result check(s) of the overflowed attempt dropped" in capsys.readouterr().out
@@ -92,10 +101,12 @@ def test_held_checks_neither_keep_the_graph_alive_nor_see_later_in_place_changes
         seen["graph_alive"] = graph() is not None
         return "losses"
 
-    deferred = rerun.DeferredResultChecks(runner, forward_backward, lambda: machine, lambda r: (0, 0, 0))
+    deferred = rerun.DeferredResultChecks(
+        runner, forward_backward, lambda: machine, lambda r: (0, 0, 0)
+    )
     deferred(forward_only=False)
     assert seen["graph_alive"] is False
-    (value, message, rejected), = machine.checked
+    ((value, message, rejected),) = machine.checked
     assert value.item() == 6.0 and value.grad_fn is None and message == "loss" and rejected is False
 
 
@@ -116,8 +127,9 @@ def test_megatron_rerun_state_machine_can_be_deferred():
 
     machine = RerunStateMachine(mode=RerunMode.DISABLED)
     runner = _runner()
-    deferred = rerun.DeferredResultChecks(runner, _attempt(machine, [("loss", 1.0)]), lambda: machine,
-                                       lambda r: (0, 0, 0))
+    deferred = rerun.DeferredResultChecks(
+        runner, _attempt(machine, [("loss", 1.0)]), lambda: machine, lambda r: (0, 0, 0)
+    )
     deferred()  # the finite loss passes megatron's own check on replay
     assert machine.validate_result.__func__ is RerunStateMachine.validate_result
 
@@ -145,10 +157,14 @@ def test_upstream_check_flags_skips_the_report_wrapper():
         def check_moe_overflow(self):
             return (1, 0, 0)
 
-    Runner.check_moe_overflow = registry.get("paged_stash.report_overflow").factory(Runner.check_moe_overflow)
+    Runner.check_moe_overflow = registry.get("paged_stash.report_overflow").factory(
+        Runner.check_moe_overflow
+    )
     report._REPORT.rerun_pending = False
     assert rerun._upstream_check_flags(Runner()) == (1, 0, 0)  # megatron's flags, as they are
-    assert report._REPORT.rerun_pending is False  # the report wrapper did not run (it would flag a re-run)
+    assert (
+        report._REPORT.rerun_pending is False
+    )  # the report wrapper did not run (it would flag a re-run)
 
 
 class FakeTracker:
@@ -157,7 +173,10 @@ class FakeTracker:
     def __init__(self):
         gen = torch.Generator()
         gen.manual_seed(7)
-        self.states_ = {"model-parallel-rng": gen, "data-parallel-rng": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+        self.states_ = {
+            "model-parallel-rng": gen,
+            "data-parallel-rng": torch.tensor([1, 2, 3], dtype=torch.uint8),
+        }
 
     def get_states(self):
         return dict(self.states_)
@@ -173,7 +192,9 @@ def _drawing_attempt(tracker, draws):
     def forward_backward(**kwargs):
         gen = tracker.states_["model-parallel-rng"]
         draws.append((random.random(), torch.rand(1).item(), torch.rand(1, generator=gen).item()))
-        tracker.states_["data-parallel-rng"] = tracker.states_["data-parallel-rng"] + 1  # advanced in place
+        tracker.states_["data-parallel-rng"] = (
+            tracker.states_["data-parallel-rng"] + 1
+        )  # advanced in place
         return "losses"
 
     return forward_backward
@@ -186,12 +207,20 @@ def test_an_overflowed_attempts_random_draws_are_undone(overflowed):
     tracker, draws = FakeTracker(), []
     machine, runner = CheckingMachine(), _runner()
     generator = tracker.states_["model-parallel-rng"]
-    deferred = rerun.DeferredResultChecks(runner, _drawing_attempt(tracker, draws), lambda: machine,
-                                       lambda r: (int(overflowed), 0, 0),
-                                       rng=rerun.RngStates(tracker=lambda: tracker, cuda=False))
+    deferred = rerun.DeferredResultChecks(
+        runner,
+        _drawing_attempt(tracker, draws),
+        lambda: machine,
+        lambda r: (int(overflowed), 0, 0),
+        rng=rerun.RngStates(tracker=lambda: tracker, cuda=False),
+    )
     deferred(forward_only=False)
-    runner.config.moe_paged_stash = False  # megatron's re-run (or, clean, the next step) pages no more
+    runner.config.moe_paged_stash = (
+        False  # megatron's re-run (or, clean, the next step) pages no more
+    )
     deferred(forward_only=False)
     assert (draws[1] == draws[0]) is overflowed
-    assert tracker.states_["model-parallel-rng"] is generator  # set in place: a graph keeps its generator
+    assert (
+        tracker.states_["model-parallel-rng"] is generator
+    )  # set in place: a graph keeps its generator
     assert tracker.states_["data-parallel-rng"].tolist() == ([2, 3, 4] if overflowed else [3, 4, 5])

@@ -2,6 +2,7 @@
 compile_layer's wrapper sets, and the graph-break count."""
 
 import pytest
+
 from megatron.patchset.features.torch_compile import tracing
 
 

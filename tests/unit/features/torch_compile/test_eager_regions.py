@@ -14,7 +14,9 @@ def test_random_logits_op_draws_what_upstream_draws(monkeypatch):
     from megatron.core.transformer.moe.moe_utils import RandomSTE
 
     monkeypatch.setattr(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-    monkeypatch.setattr(tp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    monkeypatch.setattr(
+        tp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)
+    )
     tracker = tp_random.get_cuda_rng_tracker()
     name = tp_random.get_expert_parallel_rng_tracker_name()
     monkeypatch.setattr(tracker, "states_", {name: torch.Generator().manual_seed(7).get_state()})
@@ -32,7 +34,9 @@ def test_random_logits_op_draws_what_upstream_draws(monkeypatch):
 
 def test_random_logits_patch_only_with_force_load_balancing():
     patch = registry.get("compile.random_logits_opaque")
-    assert patch.wanted(parse(tiny_argv("--compile-transformer-layers", "--moe-router-force-load-balancing")))
+    assert patch.wanted(
+        parse(tiny_argv("--compile-transformer-layers", "--moe-router-force-load-balancing"))
+    )
     assert not patch.wanted(parse(tiny_argv("--compile-transformer-layers")))
     assert not patch.wanted(parse(tiny_argv("--moe-router-force-load-balancing")))
 
@@ -42,7 +46,6 @@ def test_aux_loss_grad_op_keeps_the_loss_shape():
     shape (its fake tensor says so and inductor asserts it: a 0-d loss got a [1] gradient on the
     first GPU run)."""
     import torch
-
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     op = eager_regions.aux_loss_grad_op()
@@ -63,7 +66,6 @@ def test_aux_loss_backward_compiles_with_inductor_on_cpu():
     the first GPU run, reproduced here on the CPU): compiled forward+backward through megatron's
     aux-loss scaler with the schedule's shape-[1] scale gives eager's gradients."""
     import torch
-
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     names = registry.apply_patches([registry.get("compile.aux_loss_backward_opaque")])

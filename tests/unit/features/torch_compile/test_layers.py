@@ -4,15 +4,14 @@ against eager, with dynamo's counters: graph breaks only at the eager MoE region
 after warm-up."""
 
 import math
+
 import pytest
-from megatron.patchset.core import features
-from megatron.patchset.core import registry
-from megatron.patchset.features.torch_compile import eager_regions
+
+from megatron.patchset.core import features, registry
+from megatron.patchset.features.torch_compile import eager_regions, layers
 from megatron.patchset.features.torch_compile import flags as compile_flags
-from megatron.patchset.features.torch_compile import layers
 from tests.unit.conftest import parse, tiny_argv
 from tests.unit.features.torch_compile.training import COMPILED, train
-
 
 REGION_FUNCTIONS = ("MoELayer.dispatch", "MoELayer.routed_experts_compute", "MoELayer.combine")
 
@@ -33,12 +32,21 @@ def test_flags_default_off_and_parse():
     args = parse(tiny_argv(*COMPILED, "--compile-transformer-layers-warmup-iters", "3"))
     options = compile_flags.options_from_args(args)
     assert compile_flags.requested(args)
-    assert options == compile_flags.CompileOptions(mode="default", backend="aot_eager", warmup_iters=3)
+    assert options == compile_flags.CompileOptions(
+        mode="default", backend="aot_eager", warmup_iters=3
+    )
     assert options.compile_kwargs() == {"backend": "aot_eager"}
-    args = parse(tiny_argv("--compile-transformer-layers", "--compile-transformer-layers-mode",
-                           "max-autotune-no-cudagraphs"))
+    args = parse(
+        tiny_argv(
+            "--compile-transformer-layers",
+            "--compile-transformer-layers-mode",
+            "max-autotune-no-cudagraphs",
+        )
+    )
     assert compile_flags.options_from_args(args).compile_kwargs() == {
-        "backend": "inductor", "mode": "max-autotune-no-cudagraphs"}
+        "backend": "inductor",
+        "mode": "max-autotune-no-cudagraphs",
+    }
     assert [f.name for f in features.enabled(args)] == ["torch_compile"]
 
 
@@ -49,7 +57,8 @@ def test_patches_registered_and_wanted_only_with_flag():
         assert patch.kind == "feature" and patch.when == ("--compile-transformer-layers",)
         assert patch.reason and "\n" not in patch.reason
     assert {t for t, *_ in eager_regions.EAGER_REGIONS.values()} == {
-        f"megatron.core.transformer.moe.moe_layer.{f}" for f in REGION_FUNCTIONS}
+        f"megatron.core.transformer.moe.moe_layer.{f}" for f in REGION_FUNCTIONS
+    }
     off, on = parse(tiny_argv()), parse(tiny_argv("--compile-transformer-layers"))
     assert not {p.name for p in registry.wanted(off)} & set(eager_regions.PATCH_NAMES)
     assert set(eager_regions.PATCH_NAMES) <= {p.name for p in registry.wanted(on)}
@@ -74,7 +83,10 @@ def test_mocked_compile_records_every_transformer_layer(tmp_path):
     (rec,) = train(tmp_path, 1, "--compile-transformer-layers", mode="mock", steps=1)
     assert rec["error"] is None
     # The four TransformerLayers (each a MoE layer here) and nothing else, with the options.
-    assert rec["compiled_calls"] == [{"owner": "TransformerLayer", "kwargs": {"backend": "inductor"}}] * 4
+    assert (
+        rec["compiled_calls"]
+        == [{"owner": "TransformerLayer", "kwargs": {"backend": "inductor"}}] * 4
+    )
     assert rec["compiled_forwards"] == [f"decoder.layers.{i}" for i in range(4)]
     assert set(eager_regions.PATCH_NAMES) <= set(rec["applied"])
     assert rec["eager_regions"] == {name: True for name in eager_regions.EAGER_REGIONS}
@@ -103,9 +115,11 @@ def test_compiled_training_matches_eager_with_breaks_only_at_eager_regions(tmp_p
     assert stats[-1]["graphs"] > 0 and stats[-1]["frames_ok"] == stats[-1]["frames"]
     # Warm-up: one-time guards recompile in iteration 2 at most; nothing after it.
     assert all(s == stats[1] for s in stats[2:])
-    print(f"\ncompiled tiny MoE (4 layers, aot_eager): {stats[-1]['graphs']} graphs, "
-          f"{stats[-1]['graph_breaks']} graph breaks at {sorted(break_sites(stats[-1]))}, "
-          f"{stats[-1]['frames']} frames")
+    print(
+        f"\ncompiled tiny MoE (4 layers, aot_eager): {stats[-1]['graphs']} graphs, "
+        f"{stats[-1]['graph_breaks']} graph breaks at {sorted(break_sites(stats[-1]))}, "
+        f"{stats[-1]['frames']} frames"
+    )
 
 
 @pytest.mark.slow
@@ -123,8 +137,10 @@ def test_force_load_balancing_keeps_the_moe_body_compiled(tmp_path):
     assert set(REGION_FUNCTIONS) <= break_sites(stats), break_sites(stats)
     assert stats["frames_ok"] == stats["frames"]
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)
-    print(f"\nforce load balancing, real fork: {stats['graphs']} graphs, {stats['graph_breaks']} breaks at "
-          f"{sorted(break_sites(stats))}, {stats['frames_ok']} of {stats['frames']} frames")
+    print(
+        f"\nforce load balancing, real fork: {stats['graphs']} graphs, {stats['graph_breaks']} "
+        f"breaks at {sorted(break_sites(stats))}, {stats['frames_ok']} of {stats['frames']} frames"
+    )
 
 
 @pytest.mark.slow
@@ -154,8 +170,14 @@ def test_compiled_with_inductor_trains_like_eager(tmp_path):
     # No dropout: inductor draws its own random numbers, so dropout masks would differ from eager's.
     no_dropout = ("--attention-dropout", "0", "--hidden-dropout", "0")
     (eager,) = train(tmp_path / "eager", 1, *no_dropout)
-    (compiled,) = train(tmp_path / "inductor", 1, *no_dropout, "--compile-transformer-layers",
-                        "--compile-transformer-layers-backend", "inductor")
+    (compiled,) = train(
+        tmp_path / "inductor",
+        1,
+        *no_dropout,
+        "--compile-transformer-layers",
+        "--compile-transformer-layers-backend",
+        "inductor",
+    )
     assert compiled["error"] is None, compiled["error"]
     assert len(compiled["compiled_forwards"]) == 4
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)

@@ -1,4 +1,5 @@
-"""Traceable substitutes for TransformerEngine kernels inside compiled layers (features/torch_compile).
+"""Traceable substitutes for TransformerEngine kernels inside compiled layers
+(features/torch_compile).
 
 While dynamo traces a compiled layer, TE's norm, RoPE, router-gating and fused-router kernels
 (pybind calls, a graph break each) are replaced by torch code computing the same thing; eager
@@ -9,12 +10,10 @@ TE would be called, and count dynamo's graph breaks."""
 import pytest
 import torch
 import torch._dynamo
-from megatron.patchset.core import registry
-from megatron.patchset.core import rules
+
+from megatron.patchset.core import registry, rules
 from megatron.patchset.features.torch_compile import flags as compile_flags
-from megatron.patchset.features.torch_compile import layers
-from megatron.patchset.features.torch_compile import te_kernels
-from megatron.patchset.features.torch_compile import tracing
+from megatron.patchset.features.torch_compile import layers, te_kernels, tracing
 from tests.unit.conftest import parse, tiny_argv
 from tests.unit.features.torch_compile.conftest import breaks
 
@@ -22,23 +21,43 @@ from tests.unit.features.torch_compile.conftest import breaks
 def test_patches_wanted_with_compile_unless_te_kernels():
     def wanted(*extra):
         return {p.name for p in registry.wanted(parse(tiny_argv(*extra)))} & set(
-            te_kernels.TRACEABLE_PATCHES + ("compile.router_topk_traceable",
-                                            "compile.router_aux_scores_traceable",
-                                            "compile.router_aux_loss_traceable"))
+            te_kernels.TRACEABLE_PATCHES
+            + (
+                "compile.router_topk_traceable",
+                "compile.router_aux_scores_traceable",
+                "compile.router_aux_loss_traceable",
+            )
+        )
 
     assert wanted() == set()
     assert wanted("--compile-transformer-layers") == set(te_kernels.TRACEABLE_PATCHES)
-    assert wanted("--compile-transformer-layers", "--moe-router-fusion") == set(te_kernels.TRACEABLE_PATCHES) | {
-        "compile.router_topk_traceable", "compile.router_aux_scores_traceable", "compile.router_aux_loss_traceable"}
-    assert wanted("--compile-transformer-layers", "--moe-router-fusion", "--compile-transformer-layers-te-kernels") == set()
-    args = parse(tiny_argv("--compile-transformer-layers", "--compile-transformer-layers-te-kernels"))
+    assert wanted("--compile-transformer-layers", "--moe-router-fusion") == set(
+        te_kernels.TRACEABLE_PATCHES
+    ) | {
+        "compile.router_topk_traceable",
+        "compile.router_aux_scores_traceable",
+        "compile.router_aux_loss_traceable",
+    }
+    assert (
+        wanted(
+            "--compile-transformer-layers",
+            "--moe-router-fusion",
+            "--compile-transformer-layers-te-kernels",
+        )
+        == set()
+    )
+    args = parse(
+        tiny_argv("--compile-transformer-layers", "--compile-transformer-layers-te-kernels")
+    )
     assert compile_flags.options_from_args(args).te_kernels is True
 
 
 def test_te_kernels_flag_needs_compile():
 
     args = parse(tiny_argv("--compile-transformer-layers-te-kernels"))
-    with pytest.raises(rules.PatchsetArgumentError, match="only act with --compile-transformer-layers"):
+    with pytest.raises(
+        rules.PatchsetArgumentError, match="only act with --compile-transformer-layers"
+    ):
         rules.validate(args, "layout")
 
 
@@ -67,7 +86,9 @@ def test_traceable_norm_output_dtype_follows_the_weight_as_te():
     weight = torch.randn(64, dtype=torch.bfloat16)
     out = te_kernels.traceable_norm(x, weight, None, 1e-6, False, True)
     assert out.dtype == torch.bfloat16
-    ref = torch.nn.functional.rms_norm(x.to(torch.bfloat16).float(), (64,), weight.float(), eps=1e-6)
+    ref = torch.nn.functional.rms_norm(
+        x.to(torch.bfloat16).float(), (64,), weight.float(), eps=1e-6
+    )
     assert torch.equal(out, ref.to(torch.bfloat16))
     with torch.autocast("cpu", dtype=torch.float16):
         assert te_kernels.traceable_norm(x, weight, None, 1e-6, False, True).dtype == torch.float16
@@ -83,7 +104,9 @@ class _Kernel:
         @torch.compiler.disable
         def kernel(x, weight, eps):
             self.calls += 1
-            return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps=eps).to(x.dtype)
+            return torch.nn.functional.rms_norm(
+                x.float(), (x.shape[-1],), weight.float(), eps=eps
+            ).to(x.dtype)
 
         self.kernel = kernel
 
@@ -106,7 +129,9 @@ def _stand_in_norm_classes(kernel):
 
         def forward(self, x):
             kernel.calls += 1
-            return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+            return torch.nn.functional.layer_norm(
+                x, (x.shape[-1],), self.weight, self.bias, self.eps
+            )
 
     return RMSNorm, LayerNorm
 
@@ -137,7 +162,9 @@ def test_norm_traces_while_compiling_and_calls_the_kernel_eagerly(fresh_dynamo, 
     calls = kernel.calls
     traced = torch.compile(lambda t: ln(t), backend="aot_eager")(x)
     assert kernel.calls == calls
-    torch.testing.assert_close(traced, torch.nn.functional.layer_norm(x, (32,), ln.weight, ln.bias, 1e-6))
+    torch.testing.assert_close(
+        traced, torch.nn.functional.layer_norm(x, (32,), ln.weight, ln.bias, 1e-6)
+    )
 
     # Outside a compiled TransformerLayer (other torch.compile'd code) the kernel stays.
     tracing.IN_COMPILED_LAYER[0] = False
@@ -153,10 +180,15 @@ def test_norm_traces_while_compiling_and_calls_the_kernel_eagerly(fresh_dynamo, 
 
     # Other modules are left alone; a TE class without the expected attributes is a clear error.
     other = torch.nn.Linear(2, 2)
-    assert te_kernels.make_norm_traceable(other, classes=(rms_class, ln_class)) is other and "forward" not in other.__dict__
+    assert (
+        te_kernels.make_norm_traceable(other, classes=(rms_class, ln_class)) is other
+        and "forward" not in other.__dict__
+    )
     broken = rms_class(8)
     del broken.eps
-    with pytest.raises(registry.PatchsetError, match="eps.*--compile-transformer-layers-te-kernels"):
+    with pytest.raises(
+        registry.PatchsetError, match="eps.*--compile-transformer-layers-te-kernels"
+    ):
         te_kernels.make_norm_traceable(broken, classes=(rms_class, ln_class))
 
 
@@ -201,7 +233,9 @@ def test_router_gating_matches_upstream_and_traces(fresh_dynamo, in_compiled_lay
             ref = moe_utils.router_gating_linear(x, w, None, router_dtype)
             g = torch.randn_like(ref)
             ref_grads = torch.autograd.grad(ref, (x, w), g)
-            out = torch.compile(patched, backend="aot_eager", fullgraph=True)(x, w, None, router_dtype)
+            out = torch.compile(patched, backend="aot_eager", fullgraph=True)(
+                x, w, None, router_dtype
+            )
             grads = torch.autograd.grad(out, (x, w), g)
             assert out.dtype == router_dtype and grads[0].dtype == grads[1].dtype == torch.bfloat16
             torch.testing.assert_close(out, ref)
@@ -214,7 +248,8 @@ def test_router_gating_matches_upstream_and_traces(fresh_dynamo, in_compiled_lay
 
 def test_rope_unfused_while_compiling(fresh_dynamo, in_compiled_layer):
     """With apply_rope_fusion on (TE's kernel, absent on the CPU: upstream's fused path would fail
-    here), the compiled call takes megatron's unfused bshd path; eager calls still go to upstream."""
+    here), the compiled call takes megatron's unfused bshd path; eager calls still go to
+    upstream."""
     from types import SimpleNamespace
 
     from megatron.core.models.common.embeddings import rope_utils
@@ -224,22 +259,37 @@ def test_rope_unfused_while_compiling(fresh_dynamo, in_compiled_layer):
         from megatron.core.transformer import attention
 
         patched = attention.apply_rotary_pos_emb
-        config = SimpleNamespace(apply_rope_fusion=True, rotary_interleaved=False, multi_latent_attention=False,
-                                 mrope_section=None)
+        config = SimpleNamespace(
+            apply_rope_fusion=True,
+            rotary_interleaved=False,
+            multi_latent_attention=False,
+            mrope_section=None,
+        )
         t = torch.randn(16, 2, 4, 32, dtype=torch.bfloat16)
         freqs = torch.randn(16, 1, 1, 32)
-        # In fp32, as TE's fused kernel: closer to the fp32 result than upstream's unfused bf16 path.
+        # In fp32, as TE's fused kernel: closer to the fp32 result than upstream's unfused bf16
+        # path.
         exact = rope_utils._apply_rotary_pos_emb_bshd(t.float(), freqs, rotary_interleaved=False)
-        out = torch.compile(lambda a, b: patched(a, b, config=config), backend="aot_eager", fullgraph=True)(t, freqs)
+        out = torch.compile(
+            lambda a, b: patched(a, b, config=config), backend="aot_eager", fullgraph=True
+        )(t, freqs)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, exact.to(torch.bfloat16), rtol=0, atol=0)
         assert breaks(fresh_dynamo) == 0
         # Eagerly with fusion off, upstream's own result, also for MLA configs (whose attention
         # does not ask for MLA interleaving here: upstream's default is False).
-        mla = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=True,
-                              mrope_section=None)
-        torch.testing.assert_close(patched(t, freqs, config=mla, cp_group=object()),
-                                   patched.__wrapped__(t, freqs, config=mla, cp_group=object()), rtol=0, atol=0)
+        mla = SimpleNamespace(
+            apply_rope_fusion=False,
+            rotary_interleaved=False,
+            multi_latent_attention=True,
+            mrope_section=None,
+        )
+        torch.testing.assert_close(
+            patched(t, freqs, config=mla, cp_group=object()),
+            patched.__wrapped__(t, freqs, config=mla, cp_group=object()),
+            rtol=0,
+            atol=0,
+        )
         # Eagerly the call goes to upstream's fused path (TE's kernel: not on the CPU).
         with pytest.raises(AssertionError, match="apply_rope_fusion is not available"):
             patched(t, freqs, config=config, cp_group=object())
@@ -248,8 +298,16 @@ def test_rope_unfused_while_compiling(fresh_dynamo, in_compiled_layer):
 
 
 def test_router_fusion_is_dropped_only_while_compiling(fresh_dynamo, in_compiled_layer):
-    names = registry.apply_patches([registry.get(n) for n in (
-        "compile.router_topk_traceable", "compile.router_aux_scores_traceable", "compile.router_aux_loss_traceable")])
+    names = registry.apply_patches(
+        [
+            registry.get(n)
+            for n in (
+                "compile.router_topk_traceable",
+                "compile.router_aux_scores_traceable",
+                "compile.router_aux_loss_traceable",
+            )
+        ]
+    )
     try:
         from megatron.core.transformer.moe import moe_utils, router
 
@@ -268,18 +326,30 @@ def test_router_fusion_is_dropped_only_while_compiling(fresh_dynamo, in_compiled
             route(logits)
         torch._dynamo.reset()
         with pytest.raises(Exception, match="fused_topk_with_score_function is not available"):
-            torch.compile(lambda x: router.topk_routing_with_score_function(
-                x, 2, fused=True, router_replay=object()), backend="aot_eager")(logits)
+            torch.compile(
+                lambda x: router.topk_routing_with_score_function(
+                    x, 2, fused=True, router_replay=object()
+                ),
+                backend="aot_eager",
+            )(logits)
         fresh_dynamo.clear()  # that failure is a graph break; the counts below are the others'
         scores_map, scores = torch.compile(
-            lambda x: router.compute_routing_scores_for_aux_loss(x, 2, "softmax", fused=True), backend="aot_eager")(logits)
-        ref_scores_map, ref_scores = moe_utils.compute_routing_scores_for_aux_loss(logits, 2, "softmax", fused=False)
+            lambda x: router.compute_routing_scores_for_aux_loss(x, 2, "softmax", fused=True),
+            backend="aot_eager",
+        )(logits)
+        ref_scores_map, ref_scores = moe_utils.compute_routing_scores_for_aux_loss(
+            logits, 2, "softmax", fused=False
+        )
         torch.testing.assert_close(scores, ref_scores)
         assert torch.equal(scores_map, ref_scores_map)
         tokens = ref_map.sum(dim=0)
-        loss = torch.compile(lambda p: router.switch_load_balancing_loss_func(
-            p, tokens, 12, 2, 8, 1e-2, fused=True), backend="aot_eager")(ref_scores)
-        torch.testing.assert_close(loss, moe_utils.switch_load_balancing_loss_func(ref_scores, tokens, 12, 2, 8, 1e-2))
+        loss = torch.compile(
+            lambda p: router.switch_load_balancing_loss_func(p, tokens, 12, 2, 8, 1e-2, fused=True),
+            backend="aot_eager",
+        )(ref_scores)
+        torch.testing.assert_close(
+            loss, moe_utils.switch_load_balancing_loss_func(ref_scores, tokens, 12, 2, 8, 1e-2)
+        )
         assert breaks(fresh_dynamo) == 0
     finally:
         registry.revert(names)
@@ -287,5 +357,8 @@ def test_router_fusion_is_dropped_only_while_compiling(fresh_dynamo, in_compiled
 
 def test_skipping_a_patch_compilation_needs_names_the_skip(monkeypatch):
     monkeypatch.setenv(registry.SKIP_ENV, "compile.moe_dispatch_eager")
-    with pytest.raises(registry.PatchsetError, match="MEGATRON_PATCHSET_SKIP_PATCHES leaves out compile.moe_dispatch_eager"):
+    with pytest.raises(
+        registry.PatchsetError,
+        match="MEGATRON_PATCHSET_SKIP_PATCHES leaves out compile.moe_dispatch_eager",
+    ):
         layers.compile_transformer_layers([torch.nn.Linear(1, 1)], compile_flags.CompileOptions())
