@@ -8,30 +8,34 @@
 #   FSDP=1 bash examples/pretrain_moe_compile.sh               # under Megatron-FSDP (EP=1, DP = GPUs)
 #   MODE=max-autotune-no-cudagraphs bash examples/pretrain_moe_compile.sh
 #   COMPILE=0 bash examples/pretrain_moe_compile.sh            # the same run eagerly
+#   DATA_PATH=/data/my_text_document bash examples/pretrain_moe_compile.sh   # real data
 #   DRY_RUN=1 bash examples/pretrain_moe_compile.sh            # check the flags, no GPU
 #
-# Every knob is an environment variable with a default.
+# Every knob is an environment variable with a default. NGPUS defaults to the GPUs nvidia-smi
+# lists, or 1 without nvidia-smi. DATA_PATH is megatron's --data-path (a prefix, or a blend
+# "0.3 /data/a 0.7 /data/b"); unset, the config's mock data. With it TOKENIZER_TYPE (default
+# HuggingFaceTokenizer), TOKENIZER_MODEL (default Qwen/Qwen3-30B-A3B) or VOCAB_FILE and MERGE_FILE
+# (GPT2BPETokenizer) choose the tokenizer. PYTHON, DRY_RUN and EXTRA: see examples/lib/launch.sh.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=examples/lib/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
 # ---- knobs ---------------------------------------------------------------------------
-PYTHON=${PYTHON:-}
-if [ -z "$PYTHON" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
-NGPUS=${NGPUS:-$(nvidia-smi -L 2>/dev/null | wc -l | tr -d ' ')}
-[ "${NGPUS:-0}" -gt 0 ] || NGPUS=2
 FSDP=${FSDP:-0}                 # 1: Megatron-FSDP (optim_grads_params), no expert parallelism
-EP=${EP:-$([ "$FSDP" = 1 ] && echo 1 || echo "$NGPUS")}
 COMPILE=${COMPILE:-1}           # 0: eager, for comparison
 MODE=${MODE:-default}           # --compile-transformer-layers-mode
 WARMUP=${WARMUP:-2}             # --compile-transformer-layers-warmup-iters
 TRAIN_ITERS=${TRAIN_ITERS:-50}
-EXTRA=${EXTRA:-}
+switch_knobs FSDP COMPILE
+choice_knob MODE default max-autotune-no-cudagraphs reduce-overhead max-autotune
+int_knobs 0 WARMUP
+int_knobs 1 TRAIN_ITERS EP
+default_ngpus 1
+EP=${EP:-$([ "$FSDP" = 1 ] && echo 1 || echo "$NGPUS")}
 
 # ---- arguments, by group -------------------------------------------------------------
-MODEL_ARGS=($(grep -v '^ *#' "$CONFIG"))
+read_config "$CONFIG"
 TRAINING_ARGS=(--train-iters "$TRAIN_ITERS" --global-batch-size $((4 * NGPUS)))
 PARALLEL_ARGS=(--expert-model-parallel-size "$EP")
 if [ "$FSDP" = 1 ]; then
@@ -47,14 +51,6 @@ if [ "$COMPILE" = 1 ]; then
                 --compile-transformer-layers-warmup-iters "$WARMUP")
 fi
 
-# shellcheck disable=SC2206  # EXTRA is split into flags on purpose
-ALL_ARGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${COMPILE_ARGS[@]}" ${EXTRA})
-
-if [ -n "${DRY_RUN:-}" ]; then
-  echo "DRY_RUN: validating for world size $NGPUS (EP=$EP FSDP=$FSDP COMPILE=$COMPILE)"
-  exec "$PYTHON" pretrain_gpt.py --dry-run --dry-run-world-size "$NGPUS" "${ALL_ARGS[@]}"
-fi
-
-# ---- launch --------------------------------------------------------------------------
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NGPUS" pretrain_gpt.py \
-  "${ALL_ARGS[@]}"
+# ---- launch (DRY_RUN=1: the --dry-run of the same flags) -------------------------------
+launch_local "$NGPUS" "EP=$EP FSDP=$FSDP COMPILE=$COMPILE" \
+  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${COMPILE_ARGS[@]}"

@@ -5,6 +5,7 @@
 #   bash examples/pretrain_moe_deepep.sh                       # DeepEP, EP = number of GPUs
 #   BACKEND=ncclep bash examples/pretrain_moe_deepep.sh        # TE NCCL EP (needs NCCL >= 2.32.3)
 #   BACKEND=alltoall bash examples/pretrain_moe_deepep.sh      # megatron's all-to-all, for comparison
+#   DATA_PATH=/data/my_text_document bash examples/pretrain_moe_deepep.sh   # real data
 #   DRY_RUN=1 bash examples/pretrain_moe_deepep.sh             # check the flags, no GPU
 #
 # DeepEP is built from source, never installed from a registry (docs/deepep.md):
@@ -14,22 +15,20 @@
 # NCCL_EP_JIT_BUILD_INCLUDE_DIR: NCCL EP compiles its kernels with nvcc at the first dispatch.
 # Without it TE looks for an nccl.h of the loaded version next to libnccl.so.2 (e.g. the wheel's
 # nvidia/nccl/include beside nvidia/nccl/lib); the launch fails at validation if there is none.
+# DRY_RUN=1 runs with the same environment (PYTHONPATH, LD_PRELOAD) as the launch.
 #
-# Every knob is an environment variable with a default.
+# Every knob is an environment variable with a default. NGPUS defaults to the GPUs nvidia-smi
+# lists, or 2 when it lists fewer (or there is no nvidia-smi). DATA_PATH is megatron's --data-path
+# (a prefix, or a blend "0.3 /data/a 0.7 /data/b"); unset, the config's mock data. With it
+# TOKENIZER_TYPE (default HuggingFaceTokenizer), TOKENIZER_MODEL (default Qwen/Qwen3-30B-A3B) or
+# VOCAB_FILE and MERGE_FILE (GPT2BPETokenizer) choose the tokenizer. PYTHON, DRY_RUN and EXTRA:
+# see examples/lib/launch.sh.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=examples/lib/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
 # ---- knobs ---------------------------------------------------------------------------
-PYTHON=${PYTHON:-}
-if [ -z "$PYTHON" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
-if [ -z "${NGPUS:-}" ]; then
-  NGPUS=$(nvidia-smi -L 2>/dev/null | wc -l || true)
-  [ "${NGPUS:-0}" -ge 2 ] || NGPUS=2
-fi
-EP=${EP:-$NGPUS}                    # expert model parallel: the flex group is TP x EP (>= 2)
 BACKEND=${BACKEND:-deepep}          # deepep | hybridep | ncclep | alltoall
 NUM_SMS=${NUM_SMS:-}                # --moe-flex-dispatcher-num-sms (DeepEP default 20)
 RANK_CAPACITY=${RANK_CAPACITY:-2.0} # ncclep/hybridep: --moe-expert-rank-capacity-factor
@@ -37,36 +36,28 @@ TRAIN_ITERS=${TRAIN_ITERS:-50}
 DEEPEP_PATH=${DEEPEP_PATH:-}        # DEST of tools/build_deepep.sh
 NCCL_LIB=${NCCL_LIB:-}              # libnccl.so.2 >= 2.32.3 for ncclep
 NCCL_INCLUDE=${NCCL_INCLUDE:-}      # ncclep: NCCL headers of NCCL_LIB's version (NCCL EP's kernel JIT)
-EXTRA=${EXTRA:-}
+choice_knob BACKEND deepep hybridep ncclep alltoall
+int_knobs 1 NUM_SMS TRAIN_ITERS EP
+number_knobs RANK_CAPACITY
+default_ngpus 2 2
+EP=${EP:-$NGPUS}                    # expert model parallel: the flex group is TP x EP (>= 2)
 
 # ---- arguments -----------------------------------------------------------------------
-MODEL_ARGS=($(grep -v '^ *#' "$CONFIG"))
+read_config "$CONFIG"
 TRAINING_ARGS=(--train-iters "$TRAIN_ITERS")
 PARALLEL_ARGS=(--expert-model-parallel-size "$EP")
 
 # DeepEP and NCCL EP take fp32 routing weights (megatron casts others, with a warning).
-DISPATCH_ARGS=()
-case "$BACKEND" in
-  alltoall) DISPATCH_ARGS=(--moe-token-dispatcher-type alltoall) ;;
-  deepep|hybridep|ncclep)
-    DISPATCH_ARGS=(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend "$BACKEND" --moe-router-dtype fp32)
-    [ -n "$NUM_SMS" ] && DISPATCH_ARGS+=(--moe-flex-dispatcher-num-sms "$NUM_SMS")
-    [ "$BACKEND" = ncclep ] && DISPATCH_ARGS+=(--moe-expert-rank-capacity-factor "$RANK_CAPACITY")
-    ;;
-  *) echo "BACKEND must be deepep, hybridep, ncclep or alltoall, not '$BACKEND'" >&2; exit 2 ;;
-esac
-
-# shellcheck disable=SC2206  # EXTRA is split into flags on purpose
-ALL_ARGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DISPATCH_ARGS[@]}" ${EXTRA})
-
-if [ -n "${DRY_RUN:-}" ]; then
-  echo "DRY_RUN: validating for world size $NGPUS (EP=$EP, backend $BACKEND)"
-  exec "$PYTHON" pretrain_gpt.py --dry-run --dry-run-world-size "$NGPUS" "${ALL_ARGS[@]}"
+DISPATCH_ARGS=(--moe-token-dispatcher-type alltoall)
+if [ "$BACKEND" != alltoall ]; then
+  DISPATCH_ARGS=(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend "$BACKEND" --moe-router-dtype fp32)
+  if [ -n "$NUM_SMS" ]; then DISPATCH_ARGS+=(--moe-flex-dispatcher-num-sms "$NUM_SMS"); fi
+  if [ "$BACKEND" = ncclep ]; then DISPATCH_ARGS+=(--moe-expert-rank-capacity-factor "$RANK_CAPACITY"); fi
 fi
 
-# ---- launch --------------------------------------------------------------------------
-[ -n "$DEEPEP_PATH" ] && export PYTHONPATH="$DEEPEP_PATH${PYTHONPATH:+:$PYTHONPATH}"
-[ -n "$NCCL_LIB" ] && export LD_PRELOAD="$NCCL_LIB${LD_PRELOAD:+:$LD_PRELOAD}"
-[ -n "$NCCL_INCLUDE" ] && export NCCL_EP_JIT_BUILD_INCLUDE_DIR="$NCCL_INCLUDE"
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NGPUS" pretrain_gpt.py \
-  "${ALL_ARGS[@]}"
+# ---- environment and launch (DRY_RUN=1: the --dry-run of the same flags) ----------------
+if [ -n "$DEEPEP_PATH" ]; then export PYTHONPATH="$DEEPEP_PATH${PYTHONPATH:+:$PYTHONPATH}"; fi
+if [ -n "$NCCL_LIB" ]; then export LD_PRELOAD="$NCCL_LIB${LD_PRELOAD:+:$LD_PRELOAD}"; fi
+if [ -n "$NCCL_INCLUDE" ]; then export NCCL_EP_JIT_BUILD_INCLUDE_DIR="$NCCL_INCLUDE"; fi
+launch_local "$NGPUS" "EP=$EP, backend $BACKEND" \
+  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DISPATCH_ARGS[@]}"

@@ -15,17 +15,19 @@
 #   EP=2 bash examples/pretrain_moe_fsdp_cuda_graphs.sh                  # experts over 2 GPUs
 #   SCOPES="moe_router" bash examples/pretrain_moe_fsdp_cuda_graphs.sh   # router graph only
 #   GRAPHS=0 bash examples/pretrain_moe_fsdp_cuda_graphs.sh              # eager FSDP, same flags else
+#   DATA_PATH=/data/my_text_document bash examples/pretrain_moe_fsdp_cuda_graphs.sh   # real data
 #   DRY_RUN=1 bash examples/pretrain_moe_fsdp_cuda_graphs.sh             # check the flags, no GPU
 #
-# Every knob is an environment variable with a default.
+# Every knob is an environment variable with a default. DATA_PATH is megatron's --data-path (a
+# prefix, or a blend "0.3 /data/a 0.7 /data/b"); unset, the config's mock data. With it
+# TOKENIZER_TYPE (default HuggingFaceTokenizer), TOKENIZER_MODEL (default Qwen/Qwen3-30B-A3B) or
+# VOCAB_FILE and MERGE_FILE (GPT2BPETokenizer) choose the tokenizer. PYTHON, DRY_RUN and EXTRA:
+# see examples/lib/launch.sh.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=examples/lib/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
 # ---- knobs ---------------------------------------------------------------------------
-PYTHON=${PYTHON:-}
-if [ -z "$PYTHON" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
 NGPUS=${NGPUS:-2}
 EP=${EP:-1}                       # expert model parallel
@@ -33,10 +35,12 @@ GRAPHS=${GRAPHS:-1}               # 0: eager Megatron-FSDP
 SCOPES=${SCOPES:-attn moe_router moe_preprocess}   # --cuda-graph-modules
 WARMUP_STEPS=${WARMUP_STEPS:-3}   # eager steps before capture
 TRAIN_ITERS=${TRAIN_ITERS:-50}
-EXTRA=${EXTRA:-}
+int_knobs 1 NGPUS EP TRAIN_ITERS
+int_knobs 0 WARMUP_STEPS
+switch_knobs GRAPHS
 
 # ---- arguments, by group -------------------------------------------------------------
-MODEL_ARGS=($(grep -v '^ *#' "$CONFIG"))
+read_config "$CONFIG"
 TRAINING_ARGS=(--train-iters "$TRAIN_ITERS")
 PARALLEL_ARGS=(--expert-model-parallel-size "$EP")
 
@@ -55,18 +59,9 @@ if [ "$GRAPHS" = 1 ]; then
               --cuda-graph-modules $SCOPES)
 fi
 
-# shellcheck disable=SC2206  # EXTRA is split into flags on purpose
-ALL_ARGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${FSDP_ARGS[@]}"
-          "${GRAPH_ARGS[@]}" ${EXTRA})
-
-if [ -n "${DRY_RUN:-}" ]; then
-  echo "DRY_RUN: validating for world size $NGPUS (EP=$EP, graphs: ${GRAPHS/1/$SCOPES})"
-  exec "$PYTHON" pretrain_gpt.py --dry-run --dry-run-world-size "$NGPUS" "${ALL_ARGS[@]}"
-fi
-
-# ---- launch --------------------------------------------------------------------------
+# ---- environment and launch (DRY_RUN=1: the --dry-run of the same flags) ----------------
 # Megatron-FSDP overlaps its all-gathers and reduce-scatters with compute: it refuses
 # CUDA_DEVICE_MAX_CONNECTIONS=1.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-8}
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NGPUS" pretrain_gpt.py \
-  "${ALL_ARGS[@]}"
+launch_local "$NGPUS" "EP=$EP, graphs: ${GRAPHS/1/$SCOPES}" \
+  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${FSDP_ARGS[@]}" "${GRAPH_ARGS[@]}"

@@ -12,17 +12,19 @@
 #   bash examples/pretrain_moe_p2p_overlap.sh
 #   DELAYED_LAYERS=1 TL_WGRAD=0 bash examples/pretrain_moe_p2p_overlap.sh   # attention only, 1 layer
 #   P2P_OVERLAP=0 bash examples/pretrain_moe_p2p_overlap.sh                 # megatron's own schedule
+#   DATA_PATH=/data/my_text_document bash examples/pretrain_moe_p2p_overlap.sh   # real data
 #   DRY_RUN=1 bash examples/pretrain_moe_p2p_overlap.sh                     # check the flags, no GPU
 #
-# Every knob is an environment variable with a default.
+# Every knob is an environment variable with a default. DATA_PATH is megatron's --data-path (a
+# prefix, or a blend "0.3 /data/a 0.7 /data/b"); unset, the config's mock data. With it
+# TOKENIZER_TYPE (default HuggingFaceTokenizer), TOKENIZER_MODEL (default Qwen/Qwen3-30B-A3B) or
+# VOCAB_FILE and MERGE_FILE (GPT2BPETokenizer) choose the tokenizer. PYTHON, DRY_RUN and EXTRA:
+# see examples/lib/launch.sh.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=examples/lib/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
 # ---- knobs ---------------------------------------------------------------------------
-PYTHON=${PYTHON:-}
-if [ -z "$PYTHON" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
 NGPUS=${NGPUS:-4}
 TP=${TP:-1}                     # tensor model parallel
@@ -37,13 +39,13 @@ P2P_OVERLAP=${P2P_OVERLAP:-1}   # 0: none of the fork's three flags
 BWD_ON_COMM=${BWD_ON_COMM:-1}   # --overlap-p2p-backward-on-comm-stream
 DELAYED_LAYERS=${DELAYED_LAYERS:-2}  # --overlap-p2p-wgrad-delayed-layer-number
 TL_WGRAD=${TL_WGRAD:-1}         # --overlap-p2p-with-transformer-layer-wgrad
-EXTRA=${EXTRA:-}
-
-LAYERS_PER_CHUNK=$((NUM_LAYERS / PP / VPP))
+int_knobs 1 NGPUS TP PP VPP EP NUM_LAYERS MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS
+int_knobs 0 DELAYED_LAYERS
+switch_knobs P2P_OVERLAP BWD_ON_COMM TL_WGRAD
 
 # ---- arguments, by group -------------------------------------------------------------
-MODEL_ARGS=($(grep -v '^ *#' "$CONFIG"))
-MODEL_ARGS+=(--num-layers "$NUM_LAYERS")
+read_config "$CONFIG"
+MODEL_ARGS=(--num-layers "$NUM_LAYERS")
 
 TRAINING_ARGS=(
   --micro-batch-size "$MICRO_BATCH"
@@ -54,9 +56,9 @@ TRAINING_ARGS=(
 PARALLEL_ARGS=(
   --tensor-model-parallel-size "$TP"
   --pipeline-model-parallel-size "$PP"
-  --num-layers-per-virtual-pipeline-stage "$LAYERS_PER_CHUNK"
+  --num-layers-per-virtual-pipeline-stage $((NUM_LAYERS / PP / VPP))
 )
-[ "$TP" -gt 1 ] && PARALLEL_ARGS+=(--sequence-parallel)
+if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
 
 # The fine-grained schedule: EP all-to-all overlapped with the other micro-batch's compute,
 # weight gradients computed separately (TransformerEngine) so that they can be deferred.
@@ -68,22 +70,14 @@ MOE_ARGS=(
 
 P2P_ARGS=()
 if [ "$P2P_OVERLAP" = 1 ]; then
-  [ "$BWD_ON_COMM" = 1 ] && P2P_ARGS+=(--overlap-p2p-backward-on-comm-stream)
+  if [ "$BWD_ON_COMM" = 1 ]; then P2P_ARGS+=(--overlap-p2p-backward-on-comm-stream); fi
   P2P_ARGS+=(--overlap-p2p-wgrad-delayed-layer-number "$DELAYED_LAYERS")
-  [ "$TL_WGRAD" = 1 ] && P2P_ARGS+=(--overlap-p2p-with-transformer-layer-wgrad)
+  if [ "$TL_WGRAD" = 1 ]; then P2P_ARGS+=(--overlap-p2p-with-transformer-layer-wgrad); fi
 fi
 
-# shellcheck disable=SC2206  # EXTRA is split into flags on purpose
-ALL_ARGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MOE_ARGS[@]}"
-          "${P2P_ARGS[@]}" ${EXTRA})
-
-if [ -n "${DRY_RUN:-}" ]; then
-  echo "DRY_RUN: validating for world size $NGPUS (PP=$PP VPP=$VPP EP=$EP TP=$TP)"
-  exec "$PYTHON" pretrain_gpt.py --dry-run --dry-run-world-size "$NGPUS" "${ALL_ARGS[@]}"
-fi
-
-# ---- launch --------------------------------------------------------------------------
+# ---- environment and launch (DRY_RUN=1: the --dry-run of the same flags) ----------------
 # The all-to-all overlap runs kernels on two streams at once: allow several hardware queues.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NGPUS" pretrain_gpt.py \
-  "${ALL_ARGS[@]}"
+launch_local "$NGPUS" "PP=$PP VPP=$VPP EP=$EP TP=$TP" \
+  "${CONFIG_ARGS[@]}" "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
+  "${MOE_ARGS[@]}" "${P2P_ARGS[@]}"

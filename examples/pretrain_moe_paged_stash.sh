@@ -9,6 +9,7 @@
 #   GRAPHS=0 bash examples/pretrain_moe_paged_stash.sh              # eager
 #   STASH=0 bash examples/pretrain_moe_paged_stash.sh               # static budget, no paging
 #   CPU_FACTOR=1.0 CUDA_FACTOR=0.5 bash examples/pretrain_moe_paged_stash.sh   # spill to host
+#   DATA_PATH=/data/my_text_document bash examples/pretrain_moe_paged_stash.sh # real data
 #   DRY_RUN=1 bash examples/pretrain_moe_paged_stash.sh             # check the flags, no GPU
 #
 # BACKEND=ncclep (default): TransformerEngine 2.20's NCCL EP with --moe-ncclep-static-shape (the
@@ -21,23 +22,25 @@
 # When a step overflows the stash (or HybridEP's receive budget), megatron re-runs it without
 # paging (HybridEP: and without the budget) and the run prints a line starting
 # "megatron-patchset: paged stash: OVERFLOW".
-# Every knob is an environment variable with a default.
+#
+# Every knob is an environment variable with a default. DATA_PATH is megatron's --data-path (a
+# prefix, or a blend "0.3 /data/a 0.7 /data/b"); unset, the config's mock data. With it
+# TOKENIZER_TYPE (default HuggingFaceTokenizer), TOKENIZER_MODEL (default Qwen/Qwen3-30B-A3B) or
+# VOCAB_FILE and MERGE_FILE (GPT2BPETokenizer) choose the tokenizer. PYTHON, DRY_RUN and EXTRA:
+# see examples/lib/launch.sh.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=examples/lib/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
 # ---- knobs ---------------------------------------------------------------------------
-PYTHON=${PYTHON:-}
-if [ -z "$PYTHON" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
 NGPUS=${NGPUS:-2}
 EP=${EP:-2}                           # expert model parallel
 BACKEND=${BACKEND:-ncclep}            # flex dispatcher backend: ncclep or hybridep
+choice_knob BACKEND ncclep hybridep
 case "$BACKEND" in
   ncclep) DEFAULT_CAPACITY=2.0 ;;     # exceeding NCCL EP's budget traps: be generous
   hybridep) DEFAULT_CAPACITY=1.5 ;;   # HybridEP drops over-budget tokens; megatron re-runs the step
-  *) echo "BACKEND must be ncclep or hybridep (got $BACKEND)" >&2; exit 2 ;;
 esac
 CAPACITY=${CAPACITY:-$DEFAULT_CAPACITY}  # --moe-expert-rank-capacity-factor (receive budget / balanced)
 STASH=${STASH:-1}                     # --moe-paged-stash
@@ -46,10 +49,12 @@ CUDA_FACTOR=${CUDA_FACTOR:-1.1}       # GPU stash size relative to the expected 
 CPU_FACTOR=${CPU_FACTOR:-0.0}         # pinned host pages (0: none)
 GRAPHS=${GRAPHS:-1}                   # TE graphs of attn, moe_router, moe_preprocess
 TRAIN_ITERS=${TRAIN_ITERS:-50}
-EXTRA=${EXTRA:-}
+int_knobs 1 NGPUS EP PAGE_SIZE TRAIN_ITERS
+number_knobs CAPACITY CUDA_FACTOR CPU_FACTOR
+switch_knobs STASH GRAPHS
 
 # ---- arguments, by group -------------------------------------------------------------
-MODEL_ARGS=($(grep -v '^ *#' "$CONFIG"))
+read_config "$CONFIG"
 TRAINING_ARGS=(--train-iters "$TRAIN_ITERS")
 MOE_ARGS=(
   --expert-model-parallel-size "$EP"
@@ -78,23 +83,13 @@ if [ "$GRAPHS" = 1 ]; then
               --cuda-graph-warmup-steps 2)
 fi
 
+# ---- environment and launch (DRY_RUN=1: the --dry-run of the same flags) ----------------
 # megatron admits SwiGLU experts to TE's op fuser only with this set; on Hopper TE still runs its
 # basic grouped-linear/SwiGLU ops (the fused kernel it names is Blackwell-only).
 export NVTE_CUTEDSL_FUSED_GROUPED_MLP=${NVTE_CUTEDSL_FUSED_GROUPED_MLP:-1}
-
-# shellcheck disable=SC2206  # EXTRA is split into flags on purpose
-ALL_ARGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MOE_ARGS[@]}" "${STASH_ARGS[@]}"
-          "${GRAPH_ARGS[@]}" ${EXTRA})
-
-if [ -n "${DRY_RUN:-}" ]; then
-  echo "DRY_RUN: validating for world size $NGPUS (EP=$EP, $BACKEND, paged stash $STASH, graphs $GRAPHS)"
-  exec "$PYTHON" pretrain_gpt.py --dry-run --dry-run-world-size "$NGPUS" "${ALL_ARGS[@]}"
-fi
-
-# ---- launch --------------------------------------------------------------------------
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}   # HybridEP and NCCL EP compile kernels with nvcc at run time
 if [ "$BACKEND" = ncclep ] && [ -n "${NCCL_INCLUDE:-}" ]; then
   export NCCL_EP_JIT_BUILD_INCLUDE_DIR=${NCCL_EP_JIT_BUILD_INCLUDE_DIR:-$NCCL_INCLUDE}
 fi
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NGPUS" pretrain_gpt.py \
-  "${ALL_ARGS[@]}"
+launch_local "$NGPUS" "EP=$EP, $BACKEND, paged stash $STASH, graphs $GRAPHS" \
+  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MOE_ARGS[@]}" "${STASH_ARGS[@]}" "${GRAPH_ARGS[@]}"

@@ -1,43 +1,46 @@
 #!/usr/bin/env bash
 # Quick start: train the tiny MoE config (examples/configs/tiny_moe.args) on mock data with all
-# local GPUs (expert parallelism over them). On a machine without an NVIDIA GPU it checks the
-# configuration with --dry-run instead and says that training needs a GPU.
+# local GPUs (expert parallelism over them). On a machine without an NVIDIA GPU (none that
+# nvidia-smi lists, or no nvidia-smi) it checks the configuration with --dry-run instead and says
+# that training needs a GPU.
 #
 #   bash examples/train_tiny_moe.sh                 # all local GPUs, EP = number of GPUs
 #   NGPUS=1 bash examples/train_tiny_moe.sh         # one GPU
 #   EXTRA="--train-iters 200" bash examples/train_tiny_moe.sh
+#   DATA_PATH=/data/my_text_document bash examples/train_tiny_moe.sh   # real data
+#   DRY_RUN=1 bash examples/train_tiny_moe.sh       # check the flags, no GPU
+#
+# Every knob is an environment variable with a default: NGPUS (the GPUs here), EP (NGPUS).
+# DATA_PATH is megatron's --data-path (a prefix, or a blend "0.3 /data/a 0.7 /data/b"); unset, the
+# config's mock data. With it TOKENIZER_TYPE (default HuggingFaceTokenizer), TOKENIZER_MODEL
+# (default Qwen/Qwen3-30B-A3B) or VOCAB_FILE and MERGE_FILE (GPT2BPETokenizer) choose the
+# tokenizer. PYTHON, DRY_RUN and EXTRA: see examples/lib/launch.sh.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=examples/lib/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
-PYTHON=${PYTHON:-}
-if [ -z "$PYTHON" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
+int_knobs 1 NGPUS EP
 if [ -z "${NGPUS:-}" ]; then
-  NGPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
+  NGPUS=$(gpus_here)
+  if [ "$NGPUS" -eq 0 ]; then
+    echo "No NVIDIA GPU visible: checking the tiny MoE configuration with --dry-run."
+    echo "Training needs an NVIDIA GPU (and TransformerEngine for the default layer spec)."
+    NGPUS=1
+    DRY_RUN=1
+  fi
 fi
 EP=${EP:-$NGPUS}
-[ "$EP" -ge 1 ] || EP=1
 
-CONFIG_ARGS=($(grep -v '^ *#' examples/configs/tiny_moe.args))
+read_config examples/configs/tiny_moe.args
 PARALLEL_ARGS=(--expert-model-parallel-size "$EP")
-EXTRA_ARGS=(${EXTRA:-})
-
-if [ "$NGPUS" -eq 0 ]; then
-  echo "No NVIDIA GPU visible: checking the tiny MoE configuration with --dry-run."
-  echo "Training needs an NVIDIA GPU (and TransformerEngine for the default layer spec)."
-  exec "$PYTHON" pretrain_gpt.py --dry-run --dry-run-world-size 1 "${CONFIG_ARGS[@]}" "${EXTRA_ARGS[@]}"
-fi
-
 SPEC_ARGS=()
-if ! "$PYTHON" -c 'import transformer_engine.pytorch' >/dev/null 2>&1; then
+if [ "$DRY_RUN" = 0 ] && ! "$PYTHON" -c 'import transformer_engine.pytorch' >/dev/null 2>&1; then
   echo "TransformerEngine is not installed: training with the local (PyTorch) layer spec."
   echo "For the TransformerEngine spec: pip install -e '.[te]'"
-  CONFIG_ARGS=(${CONFIG_ARGS[@]/--moe-grouped-gemm/})
+  config_without --moe-grouped-gemm 0
   SPEC_ARGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
              --no-gradient-accumulation-fusion)
 fi
 
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NGPUS" pretrain_gpt.py \
-  "${CONFIG_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${SPEC_ARGS[@]}" "${EXTRA_ARGS[@]}"
+launch_local "$NGPUS" "EP=$EP" "${CONFIG_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${SPEC_ARGS[@]}"

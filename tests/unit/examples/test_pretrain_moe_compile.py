@@ -2,6 +2,7 @@
 Megatron-FSDP."""
 
 import os
+
 import pytest
 
 
@@ -12,5 +13,9 @@ def test_example_script_dry_run(knobs):
     proc = dry_run_example(os.path.join("examples", "pretrain_moe_compile.sh"), NGPUS="2", **knobs)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "dry-run: OK" in proc.stdout
-    features = next(line for line in proc.stdout.splitlines() if line.startswith("fork features enabled"))
-    assert ("torch_compile (--compile-transformer-layers" in features) == (knobs.get("COMPILE") != "0")
+    features = next(
+        line for line in proc.stdout.splitlines() if line.startswith("fork features enabled")
+    )
+    assert ("torch_compile (--compile-transformer-layers" in features) == (
+        knobs.get("COMPILE") != "0"
+    )

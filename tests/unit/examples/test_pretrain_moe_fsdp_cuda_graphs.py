@@ -26,7 +26,8 @@ def test_script_layout_is_valid_with_fsdp_and_graphs(script, world, ep):
     for line in (
         f"world size ........................ {world}",
         f"expert model parallel (EP) ........ {ep}",
-        "fork features enabled: fsdp_cuda_graphs (--use-megatron-fsdp, --cuda-graph-impl transformer_engine)",
+        "fork features enabled: fsdp_cuda_graphs "
+        "(--use-megatron-fsdp, --cuda-graph-impl transformer_engine)",
         "cuda_graphs.fsdp_capture_helper",
         "megatron_fsdp.cuda_graph_hook_markers",
     ):
@@ -37,4 +38,6 @@ def test_script_layout_is_valid_with_fsdp_and_graphs(script, world, ep):
 def test_script_knobs_reach_the_rules():
     code, out, err = dry_run("local", WARMUP_STEPS="0")
     assert code == 2
-    assert "[fsdp-cuda-graphs-supported]" in out + err and "--cuda-graph-warmup-steps 0" in out + err
+    assert (
+        "[fsdp-cuda-graphs-supported]" in out + err and "--cuda-graph-warmup-steps 0" in out + err
+    )

@@ -12,7 +12,11 @@ SCRIPTS = {
     "local": os.path.join("examples", "pretrain_moe_small_batch.sh"),
     "slurm": os.path.join("examples", "slurm", "pretrain_moe_small_batch.sbatch"),
 }
-PATCHES = ("experts.grouped_mm_fc1", "experts.splits_on_device_dispatcher", "experts.splits_on_device_grouped_mlp")
+PATCHES = (
+    "experts.grouped_mm_fc1",
+    "experts.splits_on_device_dispatcher",
+    "experts.splits_on_device_grouped_mlp",
+)
 
 
 @pytest.mark.parametrize("script, world", [("local", 1), ("slurm", 8)])
@@ -22,7 +26,10 @@ def test_full_graph_recipe_passes_the_dry_run(script, world):
     out = proc.stdout
     assert f"world size ........................ {world}" in out
     assert "expert model parallel (EP) ........ 1" in out
-    assert "fork features enabled: grouped_mm (--moe-grouped-gemm-impl torch, --moe-expert-splits-on-device)" in out
+    assert (
+        "fork features enabled: grouped_mm "
+        "(--moe-grouped-gemm-impl torch, --moe-expert-splits-on-device)" in out
+    )
     assert all(name in out for name in PATCHES)
     assert out.rstrip().endswith("dry-run: OK")
 

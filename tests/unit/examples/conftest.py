@@ -1,0 +1,69 @@
+"""Fixtures for the launcher tests: small indexed datasets, a PATH without nvidia-smi, and the
+command a launcher's DRY_RUN=1 mode prints."""
+
+import os
+import shlex
+
+import pytest
+
+LOCAL = (
+    "examples/train_tiny_moe.sh",
+    "examples/pretrain_moe_compile.sh",
+    "examples/pretrain_moe_deepep.sh",
+    "examples/pretrain_moe_fsdp_cuda_graphs.sh",
+    "examples/pretrain_moe_p2p_overlap.sh",
+    "examples/pretrain_moe_paged_stash.sh",
+    "examples/pretrain_moe_small_batch.sh",
+)
+SLURM = (
+    "examples/slurm/pretrain_moe.sbatch",
+    "examples/slurm/pretrain_moe_fsdp_cuda_graphs.sbatch",
+    "examples/slurm/pretrain_moe_p2p_overlap.sbatch",
+    "examples/slurm/pretrain_moe_small_batch.sbatch",
+)
+LAUNCHERS = LOCAL + SLURM
+
+
+def dry_run_command(stdout):
+    """The argv of the one ``DRY_RUN: `` line a launcher prints in its DRY_RUN=1 mode."""
+    lines = [line for line in stdout.splitlines() if line.startswith("DRY_RUN: ")]
+    assert len(lines) == 1, stdout
+    return shlex.split(lines[0][len("DRY_RUN: ") :])
+
+
+@pytest.fixture
+def indexed_dataset(tmp_path):
+    """Builds a small megatron indexed dataset (PREFIX.bin, PREFIX.idx) of token ids below
+    ``vocab`` with megatron's own builder; returns PREFIX."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    def build(name="text_document", vocab=4096, documents=8, length=300):
+        prefix = str(tmp_path / name)
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+        generator = torch.Generator().manual_seed(len(name))
+        for _ in range(documents):
+            tokens = torch.randint(0, vocab, (length,), generator=generator, dtype=torch.int32)
+            builder.add_document(tokens, [len(tokens)])
+        builder.finalize(prefix + ".idx")
+        return prefix
+
+    return build
+
+
+@pytest.fixture
+def path_without_nvidia_smi(tmp_path):
+    """A PATH with every command of this one except nvidia-smi (links in one folder)."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(directory):
+            continue
+        for entry in os.scandir(directory):
+            link = folder / entry.name
+            if entry.name == "nvidia-smi" or os.path.lexists(link):
+                continue
+            if entry.is_file() and os.access(entry.path, os.X_OK):
+                link.symlink_to(entry.path)
+    return str(folder)
