@@ -25,7 +25,7 @@ import sys  # noqa: E402
 import warnings  # noqa: E402
 from functools import partial  # noqa: E402
 
-if int(os.environ.get("RANK", "0")) != 0:  # one copy of library warnings, not one per rank
+if os.environ.get("RANK", "0") not in ("", "0"):  # one copy of library warnings, not one per rank
     warnings.simplefilter("ignore")
 
 import torch  # noqa: E402
@@ -63,7 +63,15 @@ from megatron.training.utils import (  # noqa: E402
 )
 
 from megatron.patchset import __version__ as patchset_version  # noqa: E402
-from megatron.patchset.core import dry_run, model_hooks, registry, rules, versions  # noqa: E402
+from megatron.patchset.core import (  # noqa: E402
+    dry_run,
+    model_hooks,
+    preflight,
+    registry,
+    rules,
+    versions,
+)
+from megatron.patchset.core.errors import PatchsetError  # noqa: E402
 from megatron.patchset.core.flags import add_patchset_args  # noqa: E402
 from megatron.patchset.core.observe import metrics  # noqa: E402
 
@@ -291,7 +299,9 @@ def model_config_from_args(args):
     grouped GEMM when ``--moe-grouped-gemm``), plain PyTorch layers with ``--transformer-impl
     local``; ``--spec`` overrides it as upstream.
     """
-    transformer_config = core_transformer_config_from_args(args)
+    transformer_config = preflight.megatron_validated(
+        lambda: core_transformer_config_from_args(args)
+    )
     rules.validate(args, "combination", config=transformer_config)
     model_hooks.configure_transformer_config(args, transformer_config)
     model_config = gpt_config_from_args(args, config=transformer_config)
@@ -299,20 +309,33 @@ def model_config_from_args(args):
     return model_config
 
 
-def _check_runtime(args) -> None:
-    """Fail before launch when the packages or the GPU that the flags need are missing."""
+def _check_packages(args) -> None:
+    """Fail before launch when the packages that the flags need are missing."""
     missing = [
         f"{package} (needed for {why})"
         for package, why in dry_run.required_packages(args)
         if not dry_run.installed(package)
     ]
     if missing:
-        sys.exit("megatron-patchset: missing packages: " + "; ".join(missing))
-    if not torch.cuda.is_available():
-        sys.exit(
-            "megatron-patchset: training needs an NVIDIA GPU and none is visible. Run with "
-            "--dry-run to check the flags on this machine."
-        )
+        raise preflight.PreflightError("megatron-patchset: missing packages: " + "; ".join(missing))
+
+
+def preflight_args():
+    """Everything before ``pretrain``, each failure one message without a traceback: the
+    launcher's environment; what needs no flags (compat patches, e.g. for --help); the fork's
+    layout rules; the GPU (before megatron asks the driver); megatron's validation; the model
+    config and the fork's combination rules; the packages; the patches."""
+    preflight.check_environment()
+    registry.apply(None)
+    rules.validate(parse_args(add_patchset_args), "layout")
+    preflight.require_gpu()
+    args = preflight.megatron_validated(
+        lambda: parse_and_validate_args(extra_args_provider=add_patchset_args)
+    )
+    model_config = model_config_from_args(args)
+    _check_packages(args)
+    applied = registry.apply(args)
+    return args, model_config, applied
 
 
 def main() -> None:
@@ -324,13 +347,9 @@ def main() -> None:
         f"{versions.installed_te_version() or 'not installed'}"
     )
     try:
-        rules.validate(parse_args(add_patchset_args), "layout")
-        args = parse_and_validate_args(extra_args_provider=add_patchset_args)
-        model_config = model_config_from_args(args)
-    except rules.PatchsetArgumentError as exc:
+        args, model_config, applied = preflight_args()
+    except (rules.PatchsetArgumentError, PatchsetError) as exc:
         sys.exit(str(exc))
-    _check_runtime(args)
-    applied = registry.apply(args)
     print_rank_0(f"> megatron-patchset patches applied: {', '.join(applied) or 'none'}")
     pretrain(
         pretrain_cfg_container_from_args(args, model_config),

@@ -28,6 +28,7 @@ setup(
         "numpy",
         "packaging>=24.2",
         "nvidia-ml-py",
+        "psutil",  # megatron-core's checkpoint writer (--save)
     ],
     extras_require={
         # TransformerEngine: the TE layer spec, grouped GEMM, CUDA graphs, NCCL EP. Needs CUDA.

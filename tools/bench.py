@@ -541,7 +541,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--config", required=True, help="flag file (examples/configs/*.args)")
+    p.add_argument(
+        "--config",
+        required=True,
+        type=argsfile.existing_file,
+        help="flag file (examples/configs/*.args)",
+    )
     p.add_argument(
         "--variant",
         action="append",
@@ -551,17 +556,26 @@ def main(argv=None) -> int:
         "Default: upstream only.",
     )
     p.add_argument(
-        "--nproc", type=int, default=1, help="GPUs (torchrun --nproc-per-node). Default: 1."
+        "--nproc",
+        type=argsfile.at_least(1),
+        default=1,
+        help="GPUs (torchrun --nproc-per-node). Default: 1.",
     )
     p.add_argument(
-        "--iters", type=int, default=30, help="training iterations per variant. Default: 30."
+        "--iters",
+        type=argsfile.at_least(1),
+        default=30,
+        help="training iterations per variant. Default: 30.",
     )
     p.add_argument(
-        "--warmup", type=int, default=10, help="iterations excluded from timing. Default: 10."
+        "--warmup",
+        type=argsfile.at_least(0),
+        default=10,
+        help="iterations excluded from timing. Default: 10.",
     )
     p.add_argument(
         "--repeat",
-        type=int,
+        type=argsfile.at_least(1),
         default=1,
         help="run the variants this many times, every second time in mirrored order (ABC CBA "
         "...), and print a second table pooling the repeats: for configs whose step time drifts "
@@ -601,7 +615,12 @@ def main(argv=None) -> int:
         "where the scheduler puts the rank's threads. Default: no binding.",
     )
     p.add_argument("--out", default="bench-out", help="output folder. Default: bench-out.")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per variant. Default: 900.")
+    p.add_argument(
+        "--timeout",
+        type=argsfile.at_least(1),
+        default=900,
+        help="seconds per variant. Default: 900.",
+    )
     p.add_argument("--title", default=None, help="chart title.")
     p.add_argument(
         "--profile-iteration",

@@ -111,9 +111,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--config", help="flag file (examples/configs/*.args)")
     p.add_argument(
-        "--nproc", type=int, default=1, help="GPUs (torchrun --nproc-per-node). Default: 1."
+        "--config", type=argsfile.existing_file, help="flag file (examples/configs/*.args)"
+    )
+    p.add_argument(
+        "--nproc",
+        type=argsfile.at_least(1),
+        default=1,
+        help="GPUs (torchrun --nproc-per-node). Default: 1.",
     )
     p.add_argument(
         "--set",
@@ -126,7 +131,10 @@ def main(argv=None) -> int:
         "--flags", default="", help='extra flags, one string (e.g. "--moe-permute-fusion").'
     )
     p.add_argument(
-        "--warmup", type=int, default=5, help="iterations before the profiled one. Default: 5."
+        "--warmup",
+        type=argsfile.at_least(0),
+        default=5,
+        help="iterations before the profiled one. Default: 5.",
     )
     p.add_argument(
         "--upstream",
@@ -134,19 +142,30 @@ def main(argv=None) -> int:
         help="profile unpatched megatron (MEGATRON_PATCHSET=off).",
     )
     p.add_argument("--out", default="prof-out", help="output folder. Default: prof-out.")
-    p.add_argument("--timeout", type=int, default=900, help="seconds for the run. Default: 900.")
+    p.add_argument(
+        "--timeout",
+        type=argsfile.at_least(1),
+        default=900,
+        help="seconds for the run. Default: 900.",
+    )
     p.add_argument("--summary", default=None, help="print this summary.json and exit (no run).")
     p.add_argument("--trace", default=None, help="reduce this chrome trace and print it (no run).")
     opts = p.parse_args(argv)
 
-    if opts.summary:
-        with open(opts.summary) as handle:
-            print(report(json.load(handle)))
-        return 0
-    if opts.trace:
-        with open(opts.trace) as handle:
-            print(report(trace_summary.summarize_trace(json.load(handle).get("traceEvents", []))))
-        return 0
+    for flag, path in (("--summary", opts.summary), ("--trace", opts.trace)):
+        if path:
+            try:
+                with open(path) as handle:
+                    loaded = json.load(handle)
+                summary = (
+                    loaded
+                    if flag == "--summary"
+                    else trace_summary.summarize_trace(loaded.get("traceEvents", []))
+                )
+            except (OSError, ValueError, AttributeError) as exc:
+                p.error(f"{flag} {path}: {exc}")
+            print(report(summary))
+            return 0
     if not opts.config:
         p.error("--config is required (or --summary / --trace)")
     if opts.warmup < 0:

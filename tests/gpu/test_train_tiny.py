@@ -70,3 +70,36 @@ def test_fork_matches_unpatched_upstream(tmp_path):
         f"\nfork == upstream for 20 iterations: last loss {fork.losses[-1]!r}, grad norm "
         f"{fork.grad_norms[-1]!r}"
     )
+
+
+@pytest.mark.gpus(1)
+def test_tiny_moe_trains_on_an_indexed_dataset(tmp_path):
+    """pretrain_gpt.py on a megatron indexed dataset (--data-path, no --mock-data): the dry-run
+    accepts it and names it, and the model learns the file's tokens."""
+    import subprocess
+    import sys
+
+    from megatron.patchset.core import argsfile
+    from tests.gpu.conftest import ROOT
+    from tests.unit.support.indexed_data import write_dataset
+
+    prefix = write_dataset(tmp_path / "text", documents=400, length=1100, vocab=4096, counting=True)
+    argv = argsfile.remove(tiny_argv("--train-iters", "50"), "--mock-data") + [
+        "--data-path",
+        prefix,
+    ]
+    check = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--dry-run", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert check.returncode == 0, check.stdout[-2000:]
+    assert f"data: 1 indexed dataset(s): {prefix}" in check.stdout
+    run = launch(tmp_path, "tiny_indexed_data", 1, argv)
+    losses = run.losses
+    assert len(losses) == 50 and all(math.isfinite(x) for x in losses)
+    assert losses[0] > 7.5 and losses[-1] < losses[0] - 3.0  # counting runs: learnt quickly
+    assert "(GPTDataset)" in run.log_text()
+    print(f"\nindexed data: loss it1 {losses[0]:.4f} it50 {losses[-1]:.4f}")

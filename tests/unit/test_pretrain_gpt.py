@@ -1,5 +1,6 @@
 """pretrain_gpt.py's data path, model config, forward_step and loss_func on a tiny local-spec
-MoE GPT on the CPU: one process, and two processes with expert parallelism 2 (gloo)."""
+MoE GPT on the CPU: one process, and two processes with expert parallelism 2 (gloo), on mock data
+and on an indexed dataset written with megatron's own builder."""
 
 import json
 import math
@@ -7,7 +8,9 @@ import math
 import pytest
 import torch.multiprocessing as mp
 
+from megatron.patchset.core import argsfile
 from tests.unit.support import cpu_train
+from tests.unit.support.indexed_data import write_dataset
 
 
 def train(tmp_path, world_size, *extra, steps=6):
@@ -51,3 +54,72 @@ def test_two_processes_expert_parallel(tmp_path):
         assert rec["local_experts"] == 4
         assert all(math.isfinite(x) for x in rec["losses"])
         assert rec["losses"][-1] < rec["losses"][0] - 1.0
+
+
+def indexed_argv(tmp_path, world_size):
+    """The CPU config on an indexed dataset instead of --mock-data."""
+    prefix = write_dataset(tmp_path / "text", documents=64, length=300, vocab=4096)
+    argv = argsfile.remove(cpu_train.cpu_argv(), "--mock-data")
+    argv = argsfile.override(argv, "--global-batch-size", str(2 * world_size))
+    return argv + ["--data-path", prefix, "--split", "99,1,0"], prefix
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_training_on_an_indexed_dataset(tmp_path, world_size):
+    """pretrain_gpt.py's dataset provider builds megatron's GPTDataset from <prefix>.bin/.idx;
+    the batches are the file's tokens and the model learns them (EP=2 over two processes)."""
+    import numpy
+
+    argv, prefix = indexed_argv(tmp_path, world_size)
+    if world_size == 2:
+        argv += ["--expert-model-parallel-size", "2"]
+    out = str(tmp_path / "run")
+    mp.spawn(
+        cpu_train.run,
+        args=(world_size, argv, cpu_train.free_port(), out, 6),
+        nprocs=world_size,
+        join=True,
+    )
+    recs = [json.load(open(f"{out}.rank{r}.json")) for r in range(world_size)]
+    data = numpy.memmap(prefix + ".bin", dtype=numpy.uint16, mode="r")
+    text = bytes(numpy.asarray(data, dtype=numpy.uint16))
+    for rec in recs:
+        assert rec["dataset"] == "GPTDataset" and rec["ep"] == world_size
+        first = numpy.asarray(rec["batch_tokens"], dtype=numpy.uint16).tobytes()
+        assert first in text  # a run of the file's own tokens
+        assert all(math.isfinite(x) for x in rec["losses"])
+        assert rec["losses"][-1] < rec["losses"][0] - 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_continues_bit_identically(tmp_path, world_size):
+    """20 iterations in one go against 10, a checkpoint (megatron's distributed checkpointing of
+    the model, with the optimizer, RNG and consumed samples), and 10 more from it: iterations
+    11-20 have the same losses and gradient norms to the last bit (EP=2 over two processes)."""
+    from tests.unit.support import cpu_resume
+
+    argv, _ = indexed_argv(tmp_path, world_size)
+    argv += ["--num-workers", "0"]  # megatron's loader workers are not needed on the CPU
+    if world_size == 2:
+        argv += ["--expert-model-parallel-size", "2"]
+    checkpoint = str(tmp_path / "checkpoint")
+    runs = {}
+    for mode in ("full", "save", "resume"):
+        out = str(tmp_path / mode)
+        mp.spawn(
+            cpu_resume.run,
+            args=(world_size, argv, cpu_train.free_port(), out, mode, 10, 20, checkpoint),
+            nprocs=world_size,
+            join=True,
+        )
+        runs[mode] = [json.load(open(f"{out}.rank{r}.json")) for r in range(world_size)]
+    for full, saved, resumed in zip(runs["full"], runs["save"], runs["resume"]):
+        assert full["iterations"] == list(range(1, 21)) and resumed["iterations"] == list(
+            range(11, 21)
+        )
+        assert saved["losses"] == full["losses"][:10]
+        assert resumed["losses"] == full["losses"][10:]
+        assert resumed["grad_norms"] == full["grad_norms"][10:]
+        assert all(math.isfinite(x) for x in full["losses"])

@@ -1,12 +1,13 @@
 """Flag files: the configs under ``examples/configs/*.args``.
 
-A flag file holds megatron command-line flags, any number per line, with ``#`` comments. Bash
-launchers read it with ``$(grep -v '^ *#' FILE)``; Python (``tools/bench.py``, tests) with
-:func:`read`. Values must not contain spaces.
+A flag file holds megatron command-line flags, any number per line, with ``#`` comments. The
+launchers read it with ``read_config`` (``examples/lib/launch.sh``); Python (``tools/bench.py``,
+tests) with :func:`read`. Values must not contain spaces.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 
 
@@ -41,3 +42,35 @@ def remove(argv: list[str], flag: str) -> list[str]:
         skipping = False
         out.append(item)
     return out
+
+
+def existing_file(path: str) -> str:
+    """argparse ``type`` for a flag file: it must be a readable file (a clear error otherwise)."""
+    import argparse
+
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a directory, not a flag file")
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{path}: no such file")
+    try:
+        read(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{path} cannot be read as a flag file: {exc}") from exc
+    return path
+
+
+def at_least(least: int):
+    """argparse ``type``: an integer of at least ``least``."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is less than {least}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"
+    return parse

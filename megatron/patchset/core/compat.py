@@ -3,16 +3,24 @@
 ``datasets.compile_helpers``: on rank 0, ``megatron.training.initialize`` calls
 ``megatron.core.datasets.utils.compile_helpers``, which runs ``make`` in the installed
 ``megatron/core/datasets`` folder. The megatron-core wheel ships the compiled extension
-(``helpers_cpp``) but no Makefile, so upstream's call fails and
-exits the job. The replacement uses the shipped extension when it imports, and otherwise builds
-``helpers.cpp`` itself with the C++ compiler and pybind11 into the same folder.
+(``helpers_cpp``) but no Makefile, so upstream's call fails and exits the job. The replacement
+uses the shipped extension when it imports, and otherwise builds ``helpers.cpp`` itself with the
+C++ compiler and pybind11 into the same folder.
+
+``arguments.help_percent_signs``: argparse formats help strings with ``%``; one of megatron-core
+0.19.2's help strings contains a bare ``%``, so ``--help`` fails. The replacement doubles such
+signs after megatron adds its arguments.
+
+Both are applied before the command line is parsed (``registry.apply(None)``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -78,3 +86,31 @@ def compile_helpers() -> None:
     print(f"> building dataset helpers: {' '.join(command)}", flush=True)
     if subprocess.run(command).returncode != 0 or not _helpers_importable():
         sys.exit("megatron-patchset: failed to build megatron/core/datasets/helpers.cpp")
+
+
+_LONE_PERCENT = re.compile(r"%(%|\([^)]*\)[a-zA-Z])?")
+
+
+def escape_help(text: str) -> str:
+    """``text`` with every ``%`` that is not argparse's ``%%`` or ``%(name)s`` doubled."""
+    return _LONE_PERCENT.sub(lambda m: m.group(0) if m.group(1) else "%%", text)
+
+
+@patch(
+    "arguments.help_percent_signs",
+    "megatron.training.arguments.add_megatron_arguments",
+    reason="megatron-core 0.19.2's help of --moe-paged-stash-buffer-size-factor-cuda says '10%', "
+    "which argparse reads as a format character: --help fails with ValueError",
+    upstream_pr="fork-only (fixed on Megatron-LM main, not in 0.19.x)",
+    kind="compat",
+)
+def _help_percent_signs(original):
+    @functools.wraps(original)
+    def add_megatron_arguments(parser):
+        parser = original(parser)
+        for action in parser._actions:
+            if isinstance(action.help, str):
+                action.help = escape_help(action.help)
+        return parser
+
+    return add_megatron_arguments

@@ -18,11 +18,13 @@ import contextlib
 import importlib.util
 import io
 import logging
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator
 
-from megatron.patchset.core import features, flags, registry, rules, versions
+from megatron.patchset.core import features, flags, preflight, registry, rules, versions
+from megatron.patchset.core.errors import PatchsetError
 
 TARGET_CAPABILITY = (9, 0)
 TARGET_DEVICE_NAME = "NVIDIA H100 80GB HBM3 (dry-run target)"
@@ -128,6 +130,8 @@ def required_packages(args: argparse.Namespace) -> list[tuple[str, str]]:
                 "--no-gradient-accumulation-fusion",
             )
         )
+    if getattr(args, "save", None):
+        need.append(("psutil", "--save (megatron-core's checkpoint writer)"))
     if getattr(args, "wandb_project", None):
         need.append(("wandb", "--wandb-project"))
     if getattr(args, "tensorboard_dir", None):
@@ -262,10 +266,12 @@ def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
         torch.distributed.destroy_process_group()
 
 
-def _padded_vocab(args: argparse.Namespace) -> None:
-    """Set args.padded_vocab_size as megatron's tokenizer set-up would."""
+def _padded_vocab(args: argparse.Namespace) -> str | None:
+    """Set args.padded_vocab_size as megatron's tokenizer set-up would; returns a note when the
+    tokenizer cannot be loaded here but will be at launch (a Hugging Face hub id), else None.
+    Raises :class:`preflight.PreflightError` for a tokenizer that cannot be built at all."""
     if getattr(args, "padded_vocab_size", None):
-        return
+        return None
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
     if args.vocab_size:
@@ -273,8 +279,44 @@ def _padded_vocab(args: argparse.Namespace) -> None:
     else:
         from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
-        vocab = build_tokenizer(args).vocab_size
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                vocab = build_tokenizer(args).vocab_size
+        except Exception as exc:  # noqa: BLE001 - any loader failure is reported with its flags
+            model = getattr(args, "tokenizer_model", None) or ""
+            if args.tokenizer_type == "HuggingFaceTokenizer" and not os.path.exists(model):
+                return (
+                    f"--tokenizer-model {model} is not on this machine (a Hugging Face hub id is "
+                    "downloaded at launch); the parameter count and the data's token ids are not "
+                    "checked"
+                )
+            raise preflight.PreflightError(
+                f"--tokenizer-type {args.tokenizer_type}"
+                + (f" --tokenizer-model {model}" if model else "")
+                + f": the tokenizer cannot be built ({type(exc).__name__}: {exc})"
+            ) from exc
     args.padded_vocab_size = vocab_size_with_padding(vocab, args, logging_enabled=False)
+    return None
+
+
+def _checked_args(extra_args_provider: Callable):
+    """Everything a launch checks before touching a GPU: (args, config, notes); raises
+    ``PatchsetArgumentError``, ``PreflightError`` or ``PatchsetError``."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = parse_args(extra_args_provider)
+    if args.dry_run_world_size is not None:
+        args.world_size = args.dry_run_world_size
+    args.rank = 0
+    rules.validate(args, "layout")
+    with contextlib.redirect_stdout(io.StringIO()):
+        preflight.megatron_validated(lambda: validate_args(args, {}))
+        config = preflight.megatron_validated(lambda: core_transformer_config_from_args(args))
+    notes = [note for note in [_padded_vocab(args)] if note]
+    rules.validate(args, "combination", config=config)
+    patches = registry.selected(args)
+    return args, config, patches, notes
 
 
 def run(
@@ -282,94 +324,111 @@ def run(
     extra_args_provider: Callable = flags.add_patchset_args,
     out=None,
 ) -> int:
-    """Run the dry-run check; returns the process exit code (0 = valid)."""
+    """Run the dry-run check; returns the process exit code (0 = valid, 2 = invalid; argparse's
+    own errors and --help exit as argparse does)."""
     out = out or sys.stdout
     argv = list(sys.argv[1:] if argv is None else argv)
-    from megatron.training.argument_utils import core_transformer_config_from_args
-    from megatron.training.arguments import parse_args, validate_args
 
     def say(line=""):
         print(line, file=out, flush=True)
 
+    def invalid(message: str) -> int:
+        say(message)
+        say("dry-run: INVALID")
+        return 2
+
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "pretrain_gpt.py"] + argv
-    megatron_log = io.StringIO()
+    early: list[str] = []
     try:
+        try:
+            preflight.check_environment()
+            # what needs no flags (--help's percent signs), as the launch applies it before parsing
+            early = registry.apply_patches([p for p in registry.wanted(None) if p.kind == "compat"])
+        except PatchsetError as exc:
+            return invalid(str(exc))
         with target_device() as emulated:
             try:
-                args = parse_args(extra_args_provider)
-                if args.dry_run_world_size is not None:
-                    args.world_size = args.dry_run_world_size
-                args.rank = 0
-                rules.validate(args, "layout")
-                with contextlib.redirect_stdout(megatron_log):
-                    validate_args(args, {})
-                    config = core_transformer_config_from_args(args)
-                rules.validate(args, "combination", config=config)
-            except rules.PatchsetArgumentError as exc:
-                say(str(exc))
-                say("dry-run: INVALID")
-                return 2
-            except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
-                say(f"megatron argument validation failed: {type(exc).__name__}: {exc}")
-                say("dry-run: INVALID")
-                return 2
-
-            say("=" * 72)
-            say(f"megatron-patchset dry-run (megatron-core {versions.installed_mcore_version()})")
-            if emulated:
-                say("  checked as on the target machine: " + "; ".join(emulated))
-            say("parallel layout:")
-            for line in _layout_lines(args):
-                say(line)
-            enabled = features.enabled(args)
-            say(
-                "fork features enabled: " + ("; ".join(f.describe(args) for f in enabled) or "none")
-            )
-            wanted = registry.wanted(args)
-            say(f"patches that would apply ({len(wanted)}):")
-            width = max(len(p.name) for p in wanted)
-            for p in wanted:
-                say(f"  {p.name:<{width}} {p.target}")
-            say(
-                f"model: {type(config).__name__}, {args.num_layers} layers, hidden "
-                f"{args.hidden_size}, {args.num_experts or 0} experts "
-                f"(top-{args.moe_router_topk if args.num_experts else 0}), params "
-                f"{str(config.params_dtype).replace('torch.', '')}"
-            )
-            try:
-                _padded_vocab(args)
+                args, config, patches, notes = _checked_args(extra_args_provider)
                 with contextlib.redirect_stdout(io.StringIO()):
-                    total, active = count_parameters(args, config)
-                say(
-                    f"parameters: {total:,} in total, {active:,} active per token (padded "
-                    f"vocabulary {args.padded_vocab_size:,})"
+                    counted = (
+                        count_parameters(args, config)
+                        if getattr(args, "padded_vocab_size", None)
+                        else None
+                    )
+            except (rules.PatchsetArgumentError, PatchsetError) as exc:
+                return invalid(str(exc))
+            except Exception as exc:  # noqa: BLE001 - the model does not build: report it
+                return invalid(
+                    "the model cannot be built with these flags: "
+                    + preflight.describe_megatron_failure(exc).removeprefix(
+                        "megatron-core refused the flags: "
+                    )
                 )
-            except Exception as exc:
-                say(f"parameter count unavailable: {type(exc).__name__}: {exc}")
-            try:
-                from megatron.training.theoretical_memory_usage import report_theoretical_memory
-
-                num_micro = args.global_batch_size // (
-                    args.micro_batch_size * args.data_parallel_size
-                )
-                estimate = io.StringIO()
-                with contextlib.redirect_stdout(estimate):
-                    report_theoretical_memory(args, num_microbatches=num_micro, verbose=True)
-                say("megatron's parameter count and theoretical memory (per GPU):")
-                for line in estimate.getvalue().splitlines():
-                    if line.strip() and "compute_activation_memory" not in line:
-                        say("  " + line.strip())
-            except Exception as exc:  # an estimate failure must not hide a valid layout
-                say(f"theoretical memory estimate unavailable: {type(exc).__name__}: {exc}")
-            say("packages the run needs:")
-            for package, why in required_packages(args):
-                here = "installed here" if installed(package) else "not installed here"
-                say(f"  {package:<52} ({why}; {here})")
-            say("dry-run: OK")
+            _report(args, config, patches, notes, counted, emulated, say)
             return 0
     finally:
         sys.argv = saved_argv
+        registry.revert(early)
+
+
+def _report(args, config, patches, notes, counted, emulated, say) -> None:
+    say("=" * 72)
+    say(f"megatron-patchset dry-run (megatron-core {versions.installed_mcore_version()})")
+    if emulated:
+        say("  checked as on the target machine: " + "; ".join(emulated))
+    say("parallel layout:")
+    for line in _layout_lines(args):
+        say(line)
+    enabled = features.enabled(args)
+    say("fork features enabled: " + ("; ".join(f.describe(args) for f in enabled) or "none"))
+    say(f"patches that would apply ({len(patches)}):")
+    width = max(len(p.name) for p in patches)
+    for p in patches:
+        say(f"  {p.name:<{width}} {p.target}")
+    say(f"data: {_data_line(args)}")
+    say(
+        f"model: {type(config).__name__}, {args.num_layers} layers, hidden "
+        f"{args.hidden_size}, {args.num_experts or 0} experts "
+        f"(top-{args.moe_router_topk if args.num_experts else 0}), params "
+        f"{str(config.params_dtype).replace('torch.', '')}"
+    )
+    if counted is not None:
+        total, active = counted
+        say(
+            f"parameters: {total:,} in total, {active:,} active per token (padded "
+            f"vocabulary {args.padded_vocab_size:,})"
+        )
+    for note in notes:
+        say(f"note: {note}")
+    try:
+        from megatron.training.theoretical_memory_usage import report_theoretical_memory
+
+        num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+        estimate = io.StringIO()
+        with contextlib.redirect_stdout(estimate):
+            report_theoretical_memory(args, num_microbatches=num_micro, verbose=True)
+        say("megatron's parameter count and theoretical memory (per GPU):")
+        for line in estimate.getvalue().splitlines():
+            if line.strip() and "compute_activation_memory" not in line:
+                say("  " + line.strip())
+    except Exception as exc:  # noqa: BLE001 - an estimate failure must not hide a valid layout
+        say(f"theoretical memory estimate unavailable: {type(exc).__name__}: {exc}")
+    say("packages the run needs:")
+    for package, why in required_packages(args):
+        here = "installed here" if installed(package) else "not installed here"
+        say(f"  {package:<52} ({why}; {here})")
+    say("dry-run: OK")
+
+
+def _data_line(args) -> str:
+    if args.mock_data:
+        return "mock data (--mock-data)"
+    from megatron.patchset.core.layout_rules.data import data_prefixes
+
+    found, _ = data_prefixes(args)
+    shown = ", ".join(prefix for _, prefix in found[:4]) + (" ..." if len(found) > 4 else "")
+    return f"{len(found)} indexed dataset(s): {shown} (--tokenizer-type {args.tokenizer_type})"
 
 
 def main() -> None:  # pragma: no cover - exercised through pretrain_gpt.py

@@ -8,14 +8,39 @@ feature adds its own, in megatron's style: kebab-case, help text, defaults shown
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 
 from megatron.patchset.core import features
 
 GROUP_TITLE = "megatron-patchset"
 
 
+def suggestions(parser: argparse.ArgumentParser, message: str) -> str:
+    """ " (did you mean ...?)" for the unrecognized flags of an argparse error message."""
+    options = [o for action in parser._actions for o in action.option_strings]
+    hints = []
+    for flag in re.findall(r"(--[A-Za-z0-9_-]+)", message.partition("unrecognized arguments:")[2]):
+        close = difflib.get_close_matches(flag.replace("_", "-"), options, n=2, cutoff=0.6)
+        if close:
+            hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+    return (" (" + "; ".join(hints) + ")") if hints else ""
+
+
+def short_error(parser: argparse.ArgumentParser, message: str) -> None:
+    """argparse's error without the usage text (megatron's runs to hundreds of lines): the error,
+    the closest flags for an unknown one, where to find the rest; exit code 2 as argparse's."""
+    parser.exit(
+        2,
+        f"{parser.prog}: error: {message}{suggestions(parser, message)}\n"
+        f"{parser.prog} --help lists every flag.\n",
+    )
+
+
 def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``extra_args_provider`` for megatron's ``parse_args``: the fork's own flags."""
+    """``extra_args_provider`` for megatron's ``parse_args``: the fork's own flags, and errors
+    that fit on a screen."""
+    parser.error = lambda message: short_error(parser, message)
     group = parser.add_argument_group(title=GROUP_TITLE)
     group.add_argument(
         "--dry-run",

@@ -321,7 +321,7 @@ def apply_patches(patches: Iterable[Patch], *, check: bool = True) -> list[str]:
         setattr(owner, attr, replacement)
         _APPLIED[patch.name] = _Applied(patch, owner, attr, original, owned)
         newly.append(patch.name)
-        logger.info("megatron-patchset: applied %s -> %s", patch.name, patch.target)
+        logger.debug("megatron-patchset: applied %s -> %s", patch.name, patch.target)
     return newly
 
 
@@ -342,24 +342,13 @@ def skipped_patches() -> set[str]:
     return names
 
 
-def apply(args: Any) -> list[str]:
-    """Apply exactly the patches the parsed arguments need. Idempotent.
-
-    Setting the environment variable ``MEGATRON_PATCHSET=off`` runs the unpatched upstream
-    path: only ``compat`` patches (needed to run from the megatron-core wheel at all) and
-    ``observe`` patches (metrics recording) are applied, and a fork feature flag is refused.
-    """
+def selected(args: Any) -> list[Patch]:
+    """The patches :func:`apply` installs for ``args``: those the flags want, less the ones
+    ``MEGATRON_PATCHSET_SKIP_PATCHES`` names. Under ``MEGATRON_PATCHSET=off`` a fork flag (a
+    wanted ``feature`` patch) is refused: that mode runs unpatched upstream."""
     patches = wanted(args)
     skipped = skipped_patches()
-    if skipped:
-        left_out = [p.name for p in patches if p.name in skipped]
-        if os.environ.get("RANK", "0") == "0":
-            print(
-                f"megatron-patchset: {SKIP_ENV} leaves out {', '.join(left_out) or 'nothing'} "
-                "(diagnostics: the run is not the fork's configuration)",
-                flush=True,
-            )
-        patches = [p for p in patches if p.name not in skipped]
+    patches = [p for p in patches if p.name not in skipped]
     if upstream_mode():
         feature = [p for p in patches if p.kind == "feature"]
         if feature:
@@ -367,7 +356,24 @@ def apply(args: Any) -> list[str]:
                 "MEGATRON_PATCHSET=off runs unpatched upstream megatron-core, but these fork "
                 "flags are set: " + ", ".join(sorted({f for p in feature for f in p.when}))
             )
-    return apply_patches(patches)
+    return patches
+
+
+def apply(args: Any) -> list[str]:
+    """Apply exactly the patches the parsed arguments need (:func:`selected`). Idempotent.
+
+    ``apply(None)`` installs what needs no flags (the compat patches, and observe patches that an
+    environment variable asks for): the launch does it before the command line is parsed.
+    """
+    skipped = skipped_patches()
+    if skipped and os.environ.get("RANK", "0") == "0":
+        left_out = [p.name for p in wanted(args) if p.name in skipped]
+        print(
+            f"megatron-patchset: {SKIP_ENV} leaves out {', '.join(left_out) or 'nothing'} "
+            "(diagnostics: the run is not the fork's configuration)",
+            flush=True,
+        )
+    return apply_patches(selected(args))
 
 
 def revert(names: Iterable[str] | None = None) -> list[str]:

@@ -55,13 +55,17 @@ class Rule:
     check: Callable[..., str | None]
     doc: str
     feature: str | None = None
+    gate: bool = False
 
 
 _RULES: list[Rule] = []
 
 
-def rule(name: str, *, phase: str, flags: tuple[str, ...]) -> Callable:
-    """Decorator declaring a validation rule (in the core or in a feature's ``rules.py``)."""
+def rule(name: str, *, phase: str, flags: tuple[str, ...], gate: bool = False) -> Callable:
+    """Decorator declaring a validation rule (in the core or in a feature's ``rules.py``).
+
+    A ``gate`` rule checks what the later rules of its phase compute with (sizes they divide by):
+    when it fails, they are not run and only its message is reported."""
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}")
     module = sys._getframe(1).f_globals.get("__name__", "")
@@ -70,7 +74,9 @@ def rule(name: str, *, phase: str, flags: tuple[str, ...]) -> Callable:
         if any(r.name == name for r in _RULES):
             raise ValueError(f"rule {name!r} defined twice")
         _RULES.append(
-            Rule(name, phase, tuple(flags), fn, (fn.__doc__ or "").strip(), _feature_of(module))
+            Rule(
+                name, phase, tuple(flags), fn, (fn.__doc__ or "").strip(), _feature_of(module), gate
+            )
         )
         return fn
 
@@ -111,8 +117,22 @@ def validate(args: argparse.Namespace, phase: str, config: Any = None) -> None:
         if r.name in skip:
             print(f"megatron-patchset: rule {r.name} skipped ({SKIP_RULES_ENV})", flush=True)
             continue
-        message = r.check(args) if phase == "layout" else r.check(args, config)
+        message = _run(r, args, config)
         if message:
             failures.append((r, message))
+            if r.gate:
+                break
     if failures:
         raise PatchsetArgumentError(failures)
+
+
+def _run(r: Rule, args: argparse.Namespace, config: Any) -> str | None:
+    """The rule's message; a rule that cannot evaluate the arguments (a value of the wrong type or
+    range that an earlier rule did not catch) reports that, naming its flags, instead of raising."""
+    try:
+        return r.check(args) if r.phase == "layout" else r.check(args, config)
+    except Exception as exc:  # noqa: BLE001 - reported as a failure of the combination
+        return (
+            f"the values of {', '.join(r.flags)} could not be checked ({type(exc).__name__}: "
+            f"{exc}); check them against --help."
+        )

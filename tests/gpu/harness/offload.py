@@ -10,7 +10,13 @@ that start from identical seeds:
     before and after with ``torch.cuda.memory_allocated``), ``reload``, then the other half;
 ``naive``
     half of them, then every parameter moved the naive way (``param.data = param.data.cpu()`` and
-    back), then the other half; records how much each parameter changed in the next step.
+    back), then the other half; records how much each parameter changed in the next step;
+``save``
+    half of them, then offload and reload, then megatron's ``save_checkpoint`` into
+    ``OFFLOAD_CHECKPOINT``;
+``load``
+    megatron's ``load_checkpoint`` from ``OFFLOAD_CHECKPOINT``, offload and reload, then the other
+    half (the resumed run of ``save``).
 
 Usage (what tests/gpu/features/offload/test_offload.py runs)::
 
@@ -53,14 +59,27 @@ def _params(model):
     return [p for chunk in model for p in chunk.parameters()]
 
 
+def offload_and_reload(model, optimizer) -> None:
+    offload.offload(model, optimizer, include_optimizer=True)
+    offload.reload(model, optimizer)
+
+
 def run_mode(args, mode: str, batches, write) -> None:
     import torch
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 
     model, optimizer, scheduler = build(args)
-    config, forward_backward_func, data = prepare_training(model, optimizer, batches)
     half = args.train_iters // 2
+    start, stop = 0, (half if mode == "save" else args.train_iters)
+    if mode == "load":
+        args.load = os.environ["OFFLOAD_CHECKPOINT"]
+        start, _ = load_checkpoint(model, optimizer, scheduler)
+        offload_and_reload(model, optimizer)
+        batches = None if batches is None else batches[start * get_num_microbatches() :]
+    config, forward_backward_func, data = prepare_training(model, optimizer, batches)
 
-    for iteration in range(args.train_iters):
+    for iteration in range(start, stop):
         if iteration == half and mode == "offload":
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
@@ -103,6 +122,11 @@ def run_mode(args, mode: str, batches, write) -> None:
                     "max_change": max(changes),
                 }
             )
+    if mode == "save":
+        offload_and_reload(model, optimizer)
+        args.save = os.environ["OFFLOAD_CHECKPOINT"]
+        args.consumed_train_samples = stop * args.global_batch_size
+        save_checkpoint(stop, model, optimizer, scheduler, 0)
     del model, optimizer, scheduler, config
     gc.collect()
     torch.cuda.empty_cache()
@@ -116,10 +140,10 @@ def main() -> None:
     modes = [
         m.strip() for m in os.environ.get("OFFLOAD_MODES", DEFAULT_MODES).split(",") if m.strip()
     ]
-    unknown = set(modes) - {"plain", "offload", "naive"}
+    unknown = set(modes) - {"plain", "offload", "naive", "save", "load"}
     if unknown:
         raise SystemExit(
-            f"OFFLOAD_MODES: unknown mode(s) {sorted(unknown)} (plain, offload, naive)"
+            f"OFFLOAD_MODES: unknown mode(s) {sorted(unknown)} (plain, offload, naive, save, load)"
         )
     args = initialize(sys.argv[1:])
     write = metrics_writer()

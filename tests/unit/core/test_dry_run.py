@@ -58,10 +58,10 @@ def test_dry_run_world_size_flag_overrides_environment():
 
 
 def test_megatron_validation_failure_is_reported_not_raised():
-    # A check only megatron does: --fp16 with --bf16.
-    code, out, err = dry_run(TINY, "--fp16", world_size=1)
-    assert code != 0
-    assert "megatron argument validation failed" in out
+    # A check only megatron does: the config's sequence length against its position embeddings.
+    code, out, err = dry_run(TINY, "--max-position-embeddings", "512", world_size=1)
+    assert code == 2
+    assert "megatron-core refused the flags" in out and "--max-position-embeddings" in out
     assert "Traceback" not in err
 
 

@@ -80,6 +80,8 @@ def run(rank, world_size, argv, port, out, steps):
         record["tokens"].append(int(num_tokens))
         record["reports"].append([float(v) for v in report["lm loss"]])
     record["output_shape"] = list(output.shape)
+    record["dataset"] = type(train).__name__
+    record["batch_tokens"] = batch["tokens"][0, :16].tolist()
     record["local_experts"] = sum(
         1 for name, _ in model.named_modules() if name.endswith(".experts.local_experts.0")
     )

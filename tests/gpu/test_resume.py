@@ -1,0 +1,149 @@
+"""A resumed run continues exactly: 20 iterations in one go against ``--exit-interval 10 --save``
+and a second launch with ``--load``; iterations 11-20 have the same losses and gradient norms to
+the last bit (``--deterministic-mode``), through pretrain_gpt.py on one GPU. For plain training,
+the full-iteration CUDA-graph recipe (experts as grouped GEMMs, token counts on the GPU), Megatron-
+FSDP with TE per-layer graphs, and per-layer torch.compile; the offload API's harness saves after
+an offload/reload cycle and reloads right after loading. All runs of a stage start at once (they
+share the GPU): this checks numerics, not time."""
+
+import os
+
+import pytest
+
+from tests.gpu.conftest import ROOT, first_difference, launch, launch_many, tiny_argv
+
+pytestmark = pytest.mark.gpu
+
+ITERS, EXIT = 20, 10
+NUMERICS = (
+    "--deterministic-mode",
+    "--te-rng-tracker",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--train-iters",
+    str(ITERS),
+)
+RECIPES = {
+    "plain": ((), {}),
+    "full_iteration": (
+        (
+            "--moe-grouped-gemm-impl",
+            "torch",
+            "--moe-expert-splits-on-device",
+            "--moe-permute-fusion",
+            "--no-check-for-nan-in-loss-and-grad",
+            "--cuda-graph-impl",
+            "full_iteration",
+            "--cuda-graph-warmup-steps",
+            "2",
+        ),
+        {},
+    ),
+    "fsdp_te_graphs": (
+        (
+            "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy",
+            "optim_grads_params",
+            "--ckpt-format",
+            "fsdp_dtensor",
+            "--fsdp-double-buffer",
+            "--fsdp-db-use-persist-buf-on-alloc-fail",
+            "--cuda-graph-impl",
+            "transformer_engine",
+            "--cuda-graph-warmup-steps",
+            "3",
+            "--cuda-graph-modules",
+            "attn",
+        ),
+        {"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
+    ),
+    "compile": (("--compile-transformer-layers",), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    first, second = [], []
+    for name, (flags, env) in RECIPES.items():
+        argv = tiny_argv(*NUMERICS, *flags)
+        ckpt = str(tmp / f"ckpt_{name}")
+        first.append(dict(tmp_path=tmp, name=f"{name}_full", nproc=1, argv=argv, env=env))
+        first.append(
+            dict(
+                tmp_path=tmp,
+                name=f"{name}_first",
+                nproc=1,
+                env=env,
+                argv=argv
+                + ["--save", ckpt, "--save-interval", str(EXIT), "--exit-interval", str(EXIT)],
+            )
+        )
+        second.append(
+            dict(
+                tmp_path=tmp,
+                name=f"{name}_resumed",
+                nproc=1,
+                env=env,
+                argv=argv + ["--load", ckpt, "--save", ckpt],
+            )
+        )
+    runs = launch_many(first)
+    runs.update(launch_many(second))
+    return runs
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_iterations_after_the_checkpoint_are_bit_identical(resumed, recipe):
+    full, first, again = (resumed[f"{recipe}_{s}"] for s in ("full", "first", "resumed"))
+    assert [r["iteration"] for r in full.iterations] == list(range(1, ITERS + 1))
+    assert [r["iteration"] for r in first.iterations] == list(range(1, EXIT + 1))
+    assert [r["iteration"] for r in again.iterations] == list(range(EXIT + 1, ITERS + 1))
+    assert first_difference(first.losses, full.losses[:EXIT]) is None
+    assert first_difference(again.losses, full.losses[EXIT:]) is None, (again.losses, full.losses)
+    assert first_difference(again.grad_norms, full.grad_norms[EXIT:]) is None
+    print(
+        f"\n{recipe}: iterations {EXIT + 1}-{ITERS} resumed bit-identically; loss at "
+        f"{ITERS} {again.losses[-1]!r}, grad norm {again.grad_norms[-1]!r}"
+    )
+
+
+@pytest.mark.gpus(1)
+def test_offload_api_checkpoint_after_offload_and_reload_resumes_exactly(tmp_path):
+    harness = os.path.join(ROOT, "tests", "gpu", "harness", "offload.py")
+    argv = tiny_argv(*NUMERICS, "--use-distributed-optimizer")
+    ckpt = str(tmp_path / "ckpt")
+    run = launch(
+        tmp_path,
+        "offload_resume",
+        1,
+        argv,
+        entry=[harness],
+        env={"OFFLOAD_MODES": "offload,save", "OFFLOAD_CHECKPOINT": ckpt},
+    )
+    again = launch(
+        tmp_path,
+        "offload_load",
+        1,
+        argv,
+        entry=[harness],
+        env={"OFFLOAD_MODES": "load", "OFFLOAD_CHECKPOINT": ckpt},
+    )
+    by_mode = {}
+    for record in run.records + again.records:
+        if "iteration" in record:
+            by_mode.setdefault(record["mode"], []).append(record)
+    offloaded = [r["losses"]["lm loss"] for r in by_mode["offload"]]
+    saved = [r["losses"]["lm loss"] for r in by_mode["save"]]
+    loaded = [r["losses"]["lm loss"] for r in by_mode["load"]]
+    half = ITERS // 2
+    assert len(offloaded) == ITERS and len(saved) == half and len(loaded) == ITERS - half
+    assert first_difference(saved, offloaded[:half]) is None
+    assert first_difference(loaded, offloaded[half:]) is None, (loaded, offloaded)
+    print(
+        f"\noffload API: saved after offload/reload at {half}, loaded and offloaded again; "
+        f"iterations {half + 1}-{ITERS} bit-identical (loss {loaded[-1]!r})"
+    )
