@@ -87,7 +87,7 @@ def resumed(tmp_path_factory):
                 name=f"{name}_resumed",
                 nproc=1,
                 env=env,
-                argv=argv + ["--load", ckpt, "--save", ckpt],
+                argv=argv + ["--load", ckpt],
             )
         )
     runs = launch_many(first)

@@ -329,3 +329,11 @@ def test_data_token_ids_within_vocabulary(tmp_path):
     got = combination_failures(data_argv(large), 1)
     assert "holds token id 50000, but the vocabulary has" in got["data-token-ids-within-vocabulary"]
     assert "--vocab-size 4096" in got["data-token-ids-within-vocabulary"]
+
+
+def test_save_needs_save_interval(tmp_path):
+    got = failures(tiny_argv("--save", str(tmp_path)))
+    assert f"--save {tmp_path} needs --save-interval" in got["save-needs-save-interval"]
+    assert "save-needs-save-interval" not in failures(
+        tiny_argv("--save", str(tmp_path), "--save-interval", "10")
+    )

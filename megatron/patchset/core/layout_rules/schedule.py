@@ -41,3 +41,14 @@ def _lr_warmup_shorter_than_decay(args):
             "Shorten the warm-up or lengthen the run."
         )
     return None
+
+
+@rule("save-needs-save-interval", phase="layout", flags=("--save", "--save-interval"))
+def _save_needs_save_interval(args):
+    """megatron asserts (without a message) that --save comes with --save-interval."""
+    if getattr(args, "save", None) and getattr(args, "save_interval", None) is None:
+        return (
+            f"--save {args.save} needs --save-interval N (megatron also saves at --exit-interval "
+            "and at the end of training); to only load, drop --save."
+        )
+    return None
