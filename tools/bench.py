@@ -59,7 +59,7 @@ from megatron.patchset.core.observe.metrics import FWD_BWD_ENV  # noqa: E402
 from megatron.patchset.core.observe.profile import PROFILE_ENV  # noqa: E402
 
 # Dense bf16 matrix-multiply rate used as the MFU denominator, TFLOP/s. For Hopper it is the
-# rate measured on this workplace's H100/H200 (788-798 TFLOP/s for 8192^3 bf16 GEMMs); the
+# rate measured on H100 and H200 GPUs (788-798 TFLOP/s for 8192^3 bf16 GEMMs); the
 # datasheet's 989 would give MFUs 0.8x as large. Override with --peak-tflops.
 PEAK_BF16_TFLOPS = {
     "H100": 790.0,

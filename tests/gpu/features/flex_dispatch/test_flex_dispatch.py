@@ -51,7 +51,7 @@ _BASELINE: dict = {}
 
 
 def alltoall(tmp_path):
-    """The all-to-all reference run (once per session)."""
+    """The all-to-all reference run (once per pytest process)."""
     if "run" not in _BASELINE:
         _BASELINE["run"] = launch(tmp_path, "flex_ref_alltoall", 2, tiny_argv(*COMMON))
     return _BASELINE["run"]
