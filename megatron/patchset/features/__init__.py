@@ -11,5 +11,6 @@ ORDER = (
     "flex_dispatch",
     "paged_stash",
     "grouped_mm",
+    "static_dispatch",
     "offload",
 )

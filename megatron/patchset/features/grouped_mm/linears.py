@@ -58,12 +58,17 @@ class DeviceSplits:
 
     ``TEGroupedMLP.forward`` turns its token counts into a host list with ``.tolist()`` before
     handing them to the linears; for a ``DeviceSplits`` that returns the object itself, and
-    :func:`group_offsets` reads the counts tensor without a device-to-host copy."""
+    :func:`group_offsets` reads the counts tensor without a device-to-host copy.
 
-    __slots__ = ("counts",)
+    ``padded``: the input has rows after the last expert's (the static dispatch's fixed-size
+    buffers, ``--moe-static-dispatch``); they are zeros, and the GEMMs keep their outputs there
+    zero (grouped_mm leaves rows past the last offset unwritten)."""
 
-    def __init__(self, counts):
+    __slots__ = ("counts", "padded")
+
+    def __init__(self, counts, padded: bool = False):
         self.counts = counts
+        self.padded = padded
 
     def tolist(self) -> DeviceSplits:
         return self
@@ -77,7 +82,8 @@ class DeviceSplits:
         return iter(self.counts.tolist())
 
     def __repr__(self) -> str:
-        return f"DeviceSplits({self.counts.numel()} experts on {self.counts.device})"
+        padded = ", padded" if self.padded else ""
+        return f"DeviceSplits({self.counts.numel()} experts on {self.counts.device}{padded})"
 
 
 # ---------------------------------------------------------------------------------------
@@ -109,6 +115,16 @@ def group_offsets(m_splits: Any, device: Any):
     )
     _offsets_cache[device] = (key, offs)
     return offs
+
+
+def zero_tail(t, offs):
+    """``t`` with its rows from ``offs[-1]`` on set to zero, in place (no host read)."""
+    import torch
+
+    if t.shape[0]:
+        rows = torch.arange(t.shape[0], device=t.device)
+        t.masked_fill_((rows >= offs[-1]).unsqueeze(-1), 0)
+    return t
 
 
 def capturing(device) -> bool:
@@ -265,13 +281,15 @@ def _grouped_mm_function():
         docstring."""
 
         @staticmethod
-        def forward(ctx, x, offs, fuse_accumulation, *weights):
+        def forward(ctx, x, offs, fuse_accumulation, padded, *weights):
             ctx.save_for_backward(x, offs)
             ctx.weights = weights
             ctx.fuse_accumulation = fuse_accumulation
+            ctx.padded = padded
             if x.shape[0] == 0:
                 return x.new_empty(0, weights[0].shape[0])
-            return F.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+            y = F.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+            return zero_tail(y, offs) if padded else y
 
         @staticmethod
         def backward(ctx, dy):
@@ -285,11 +303,13 @@ def _grouped_mm_function():
                     if x.shape[0]
                     else torch.zeros_like(x)
                 )
+                if ctx.padded:
+                    zero_tail(dx, offs)
             wgrads = [None] * len(weights)
             if any(ctx.needs_input_grad[3:]):
                 wgrads = weight_gradients(dy, x, offs, weights, ctx.fuse_accumulation)
             ctx.weights = None
-            return (dx, None, None, *wgrads)
+            return (dx, None, None, None, *wgrads)
 
     return GroupedMM
 
@@ -298,8 +318,9 @@ def grouped_mm(x, m_splits, weights: Sequence, fuse_accumulation: bool = False):
     """The grouped linear ``x -> [x_e @ W_e.T]_e`` with rows grouped by ``m_splits``."""
     if not x.is_contiguous():
         x = x.contiguous()
+    padded = isinstance(m_splits, DeviceSplits) and m_splits.padded
     return _grouped_mm_function().apply(
-        x, group_offsets(m_splits, x.device), fuse_accumulation, *weights
+        x, group_offsets(m_splits, x.device), fuse_accumulation, padded, *weights
     )
 
 

@@ -173,10 +173,10 @@ def _expert_splits_on_device(args):
         problems.append(
             f"--moe-token-dispatcher-type alltoall (got {args.moe_token_dispatcher_type})"
         )
-    if args.expert_model_parallel_size != 1:
+    if args.expert_model_parallel_size != 1 and not getattr(args, "moe_static_dispatch", False):
         problems.append(
             f"--expert-model-parallel-size 1 (got {args.expert_model_parallel_size}: the "
-            "all-to-all takes its split sizes from the host)"
+            "all-to-all takes its split sizes from the host), or --moe-static-dispatch"
         )
     if etp(args) != 1:
         problems.append(

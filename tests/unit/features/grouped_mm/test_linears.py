@@ -315,3 +315,39 @@ def test_the_fp32_probe_refuses_to_run_inside_a_capture(monkeypatch):
     with pytest.raises(RuntimeError, match="--cuda-graph-warmup-steps 1 or more"):
         linears._wgrad_out_dtype(torch.float32, torch.device("cpu"))
     assert linears._fp32_wgrad_supported == {}
+
+
+def test_padded_device_splits_keep_the_rows_after_the_last_expert_zero(monkeypatch):
+    """The static dispatch's buffers have rows after the last expert's: grouped_mm leaves them
+    unwritten (here: NaN, as uninitialised memory may hold), the linear writes zeros there
+    (forward and data gradient), and the expert rows and weight gradients are those of the
+    unpadded input."""
+    import torch.nn.functional as F
+
+    grouped = F.grouped_mm
+
+    def unwritten_tail(a, b, *args, offs=None, **kwargs):
+        out = grouped(a, b, *args, offs=offs, **kwargs)
+        if a.dim() == 2 and b.dim() == 3:
+            out[int(offs[-1]) :] = float("nan")
+        return out
+
+    monkeypatch.setattr(F, "grouped_mm", unwritten_tail)
+    weights = expert_weights()
+    total, pad = sum(SPLITS), 6
+    x = rows(total)
+    dy = rows(total, OUT, seed=4)
+    y = linears.grouped_mm(x.requires_grad_(True), torch.tensor(SPLITS), weights)
+    y.backward(dy)
+    expected = (y.detach(), x.grad, [w.grad.clone() for w in weights])
+    for w in weights:
+        w.grad = None
+    padded_x = torch.cat([x.detach(), torch.zeros(pad, IN, dtype=x.dtype)]).requires_grad_(True)
+    splits = linears.DeviceSplits(torch.tensor(SPLITS), padded=True)
+    out = linears.grouped_mm(padded_x, splits, weights)
+    out.backward(torch.cat([dy, torch.zeros(pad, OUT, dtype=dy.dtype)]))
+    assert torch.equal(out[:total], expected[0]) and out[total:].eq(0).all()
+    assert torch.equal(padded_x.grad[:total], expected[1]) and padded_x.grad[total:].eq(0).all()
+    for w, g in zip(weights, expected[2]):
+        assert torch.equal(w.grad, g)
+    assert "padded" in repr(splits)

@@ -1,0 +1,138 @@
+"""The all-to-all token dispatcher with static shapes (``--moe-static-dispatch``).
+
+A subclass of megatron's ``MoEAlltoAllTokenDispatcher`` that keeps its stages and replaces what
+needs the host:
+
+* ``preprocess``: the per-expert counts stay on the device; the rows each peer's experts will get
+  (clipped to the per-peer capacity ``C``) are exchanged with one fixed-size ``all_to_all_single``
+  of ``[EP, local experts]`` integers, and the index maps of :mod:`.plan` are computed there.
+* ``dispatch_preprocess``: megatron's permutation (static ``tokens x top-k`` rows), then a gather
+  into ``EP x C`` send slots. ``token_dispatch`` / ``token_combine`` are megatron's own, with
+  equal splits (no host split sizes).
+* ``dispatch_postprocess``: a gather from the received slots into expert-major order (what the
+  chunk sort does upstream); the experts get the counts as :class:`DeviceSplits` marked padded
+  (rows after the last expert's are zeros, and the grouped GEMMs keep them zero).
+* ``combine_preprocess`` / ``combine_postprocess``: the inverse gathers, then megatron's unpermute.
+
+Rows that do not fit set the step's overflow flag (:mod:`.state`) and reach no expert; the step
+runner (:mod:`.runner`) re-runs such a step through megatron's own path, which this class takes
+whenever :func:`state.static` is False.
+"""
+
+from __future__ import annotations
+
+from megatron.patchset.core.registry import patch
+from megatron.patchset.features.static_dispatch import flags, plan, state
+from megatron.patchset.features.static_dispatch.gather import gather_rows
+
+_MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
+
+
+def exchange_counts(kept, group, size: int):
+    """``received[s, l]``: rows source rank ``s`` sends to this rank's local expert ``l``."""
+    import torch
+
+    if size == 1:
+        return kept
+    received = torch.empty_like(kept)
+    torch.distributed.all_to_all_single(received, kept.contiguous(), group=group)
+    return received
+
+
+def static_dispatcher(original: type) -> type:
+    """``original`` (megatron's MoEAlltoAllTokenDispatcher) with the static path."""
+
+    class StaticAlltoAllTokenDispatcher(original):
+        __doc__ = (original.__doc__ or "") + "\n    With static shapes: see " + __name__ + "."
+        _exchange = None  # (SendPlan, ReceivePlan) of the current static dispatch
+
+        def _static(self) -> bool:
+            return (
+                bool(getattr(self.config, flags.CONFIG_ON, False))
+                and state.static()
+                and not self.drop_and_pad
+            )
+
+        def preprocess(self, routing_map):
+            self._exchange = None
+            if not self._static():
+                return super().preprocess(routing_map)
+            if self.tp_size != 1:
+                raise RuntimeError(
+                    f"{flags.FLAG} needs expert tensor parallel size 1; this layer has "
+                    f"{self.tp_size}"
+                )
+            tokens, topk = routing_map.size(0), self.config.moe_router_topk
+            rows = tokens * topk
+            factor = getattr(self.config, flags.CONFIG_FACTOR, flags.DEFAULT_FACTOR)
+            cap = plan.capacity(tokens, topk, self.ep_size, factor)
+            send = plan.send_plan(routing_map.sum(0), self.ep_size, cap, rows)
+            received = plan.receive_plan(
+                exchange_counts(send.kept, self.ep_group, self.ep_size), cap
+            )
+            state.note_overflow(send.overflow)
+            self.num_out_tokens = rows
+            # equal splits for megatron's all_to_all (a dynamic step before may have set them)
+            self.input_splits = self.output_splits = self.output_splits_tp = None
+            self._exchange = (send, received)
+            return received.tokens_per_expert
+
+        def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+            if self._exchange is not None:
+                return tokens_per_expert
+            # megatron's own host copy and wait (the dynamic path; also under the device-splits
+            # patch, which refuses EP >= 2)
+            upstream = original._maybe_dtoh_and_synchronize
+            upstream = getattr(upstream, "__wrapped__", upstream)
+            return upstream(self, point, tokens_per_expert)
+
+        def dispatch_preprocess(self, hidden_states, routing_map, probs):
+            tokens, probs = super().dispatch_preprocess(hidden_states, routing_map, probs)
+            if self._exchange is None:
+                return tokens, probs
+            send = self._exchange[0]
+            return (
+                gather_rows(tokens, send.slot_rows, send.row_slots),
+                gather_rows(probs, send.slot_rows, send.row_slots),
+            )
+
+        def dispatch_postprocess(self, global_input_tokens, global_probs):
+            if self._exchange is None:
+                return super().dispatch_postprocess(global_input_tokens, global_probs)
+            from megatron.patchset.features.grouped_mm.linears import DeviceSplits
+
+            received = self._exchange[1]
+            rows, slots = received.expert_rows, received.slot_expert_rows
+            return (
+                gather_rows(global_input_tokens, rows, slots),
+                DeviceSplits(received.tokens_per_expert, padded=True),
+                gather_rows(global_probs, rows, slots),
+            )
+
+        def combine_preprocess(self, hidden_states):
+            if self._exchange is None:
+                return super().combine_preprocess(hidden_states)
+            received = self._exchange[1]
+            return gather_rows(hidden_states, received.slot_expert_rows, received.expert_rows)
+
+        def combine_postprocess(self, permutated_local_input_tokens):
+            if self._exchange is not None:
+                send = self._exchange[0]
+                permutated_local_input_tokens = gather_rows(
+                    permutated_local_input_tokens, send.row_slots, send.slot_rows
+                )
+            return super().combine_postprocess(permutated_local_input_tokens)
+
+    StaticAlltoAllTokenDispatcher.__module__ = __name__
+    StaticAlltoAllTokenDispatcher.__qualname__ = "StaticAlltoAllTokenDispatcher"
+    return StaticAlltoAllTokenDispatcher
+
+
+patch(
+    "static_dispatch.dispatcher",
+    f"{_MOE_LAYER}.MoEAlltoAllTokenDispatcher",
+    reason="megatron's all-to-all dispatcher copies the per-rank token counts to the host and "
+    "waits, for all_to_all_single's split sizes; exchange the counts on the device and move rows "
+    "in fixed-size slots instead, so that a full-iteration CUDA graph captures the MoE layers at "
+    "EP >= 2",
+)(static_dispatcher)

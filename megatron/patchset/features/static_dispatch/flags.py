@@ -1,0 +1,73 @@
+"""The static-dispatch flags, and how their values reach the dispatcher (attributes of the model's
+``TransformerConfig``) and the step runner (:mod:`.state`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+FLAG = "--moe-static-dispatch"
+FACTOR_FLAG = "--moe-static-dispatch-capacity-factor"
+OVERFLOW_FLAG = "--moe-static-dispatch-on-overflow"
+DEFAULT_FACTOR = 2.0
+ON_OVERFLOW = ("rerun", "fail")
+DEFAULT_ON_OVERFLOW = "rerun"
+
+# TransformerConfig attributes (absent: upstream's dispatcher).
+CONFIG_ON = "moe_static_dispatch"
+CONFIG_FACTOR = "moe_static_dispatch_capacity_factor"
+
+
+def requested(args: Any) -> bool:
+    return args is not None and bool(getattr(args, "moe_static_dispatch", False))
+
+
+def factor(args: Any) -> float:
+    return getattr(args, "moe_static_dispatch_capacity_factor", DEFAULT_FACTOR)
+
+
+def on_overflow(args: Any) -> str:
+    return getattr(args, "moe_static_dispatch_on_overflow", DEFAULT_ON_OVERFLOW)
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        FLAG,
+        action="store_true",
+        default=False,
+        help="Dropless all-to-all token dispatch with static shapes and no host synchronisation, "
+        "for any expert-parallel size: the per-expert token counts are exchanged on the GPU and "
+        "token rows move in fixed-size slots (a per-peer capacity), so --cuda-graph-impl "
+        "full_iteration captures the MoE layers at EP >= 2. Needs --moe-grouped-gemm-impl torch "
+        "--moe-expert-splits-on-device, the alltoall dispatcher with --moe-permute-fusion, and "
+        "expert tensor parallel size 1.",
+    )
+    group.add_argument(
+        FACTOR_FLAG,
+        type=float,
+        default=DEFAULT_FACTOR,
+        help="Rows one rank may send to one expert-parallel peer, as a multiple of the balanced "
+        "share: ceil(factor x tokens x top-k / EP), at most tokens x top-k (then nothing can "
+        f"overflow). Default: {DEFAULT_FACTOR}.",
+    )
+    group.add_argument(
+        OVERFLOW_FLAG,
+        choices=ON_OVERFLOW,
+        default=DEFAULT_ON_OVERFLOW,
+        help="What a step does when some rank routes more rows to a peer than the capacity "
+        "(detected on the GPU, all-reduced after forward-backward; no token is silently dropped). "
+        "rerun: discard the step's gradients and run it again with megatron's dynamic all-to-all "
+        "(eager, with host split sizes). fail: stop with an error that names the capacity. "
+        f"Default: {DEFAULT_ON_OVERFLOW}.",
+    )
+
+
+def configure_config(args: Any, config: Any) -> None:
+    """Copy the options onto megatron's TransformerConfig and the step runner's state."""
+    from megatron.patchset.features.static_dispatch import state
+
+    if not requested(args):
+        return
+    setattr(config, CONFIG_ON, True)
+    setattr(config, CONFIG_FACTOR, float(factor(args)))
+    state.ON_OVERFLOW = on_overflow(args)

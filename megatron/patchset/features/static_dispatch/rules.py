@@ -1,0 +1,108 @@
+"""Rules for ``--moe-static-dispatch``: what the static all-to-all builds on, and what it does
+not implement."""
+
+from __future__ import annotations
+
+from megatron.patchset.core.predicates import capacity_limited, etp, stash_or_budget
+from megatron.patchset.core.rules import listed, rule
+from megatron.patchset.features.grouped_mm.flags import FLAG as GEMM_FLAG
+from megatron.patchset.features.grouped_mm.flags import SPLITS_FLAG, splits_on_device
+from megatron.patchset.features.grouped_mm.flags import requested as grouped_mm_torch
+from megatron.patchset.features.static_dispatch.flags import (
+    FACTOR_FLAG,
+    FLAG,
+    factor,
+    requested,
+)
+
+
+@rule(
+    "moe-static-dispatch-requirements",
+    phase="layout",
+    flags=(
+        FLAG,
+        "--num-experts",
+        "--moe-token-dispatcher-type",
+        GEMM_FLAG,
+        SPLITS_FLAG,
+        "--moe-permute-fusion",
+        "--expert-tensor-parallel-size",
+        "--moe-expert-capacity-factor",
+        "--moe-router-padding-for-quantization",
+        "--moe-shared-expert-overlap",
+        "--overlap-moe-expert-parallel-comm",
+        "--moe-paged-stash",
+        "--moe-expert-rank-capacity-factor",
+    ),
+)
+def _static_dispatch_requirements(args):
+    """The static path replaces the all-to-all dispatcher's host-side steps; the experts must take
+    device-side, padded counts (the torch grouped GEMMs), and nothing may need exact buffer
+    sizes on the host."""
+    if not requested(args):
+        return None
+    problems = []
+    if not args.num_experts:
+        problems.append("an MoE model (--num-experts)")
+    if args.moe_token_dispatcher_type != "alltoall":
+        problems.append(
+            f"--moe-token-dispatcher-type alltoall (got {args.moe_token_dispatcher_type})"
+        )
+    if not grouped_mm_torch(args) or not splits_on_device(args):
+        problems.append(
+            f"{GEMM_FLAG} torch {SPLITS_FLAG} (the experts read the device-side counts and "
+            "padded row buffers)"
+        )
+    if not getattr(args, "moe_permute_fusion", False):
+        problems.append(
+            "--moe-permute-fusion (the unfused permutation sizes its output on the host)"
+        )
+    if etp(args) != 1:
+        problems.append(
+            f"expert tensor parallel size 1 (got {etp(args)}: the expert-TP all-gather takes host "
+            "split sizes); set --expert-tensor-parallel-size 1"
+        )
+    if capacity_limited(args) or getattr(args, "moe_pad_expert_input_to_capacity", False):
+        problems.append(
+            "dropless MoE (no --moe-expert-capacity-factor / --moe-pad-expert-input-to-capacity)"
+        )
+    if getattr(args, "moe_router_padding_for_quantization", False) or getattr(
+        args, "moe_router_padding_for_fp8", False
+    ):
+        problems.append(
+            "no --moe-router-padding-for-quantization (the padded row count is dynamic)"
+        )
+    if getattr(args, "moe_shared_expert_overlap", False):
+        problems.append(
+            "no --moe-shared-expert-overlap (its hooks sit in the dynamic all-to-all's stages)"
+        )
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        problems.append(
+            "no --overlap-moe-expert-parallel-comm (its 1F1B schedule splits the dispatcher's "
+            "stages across micro-batches)"
+        )
+    if stash_or_budget(args):
+        problems.append(
+            "no --moe-paged-stash / --moe-expert-rank-capacity-factor (megatron's static budget of "
+            "the flex dispatcher; this path has its own capacity, "
+            f"{FACTOR_FLAG})"
+        )
+    return listed(f"{FLAG} needs: ", problems)
+
+
+@rule(
+    "moe-static-dispatch-capacity-factor",
+    phase="layout",
+    flags=(FACTOR_FLAG,),
+)
+def _capacity_factor(args):
+    """Below 1.0 even perfectly balanced routing overflows every step."""
+    if not requested(args):
+        return None
+    value = factor(args)
+    if not value >= 1.0:
+        return (
+            f"{FACTOR_FLAG} {value}: must be at least 1.0 (the per-peer capacity is this factor "
+            "times the balanced share; below 1.0 every step overflows and is re-run)"
+        )
+    return None

@@ -1,0 +1,63 @@
+"""The static dispatcher against megatron's all-to-all dispatcher, two gloo processes (EP = 2,
+and EP = 1 with every expert on one rank): for routings that fit, the dispatched rows, expert
+outputs, combined output and every gradient are identical (fp32 and fp64); an overflow is
+flagged on every rank and the step runner re-runs the step dynamically or stops, as asked."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.unit.features.static_dispatch import exchange
+from tests.unit.support.cpu_train import free_port
+
+
+def run(tmp_path, case, dtype="float32", factor=2.0):
+    out = str(tmp_path / "exchange")
+    mp.spawn(exchange.worker, args=(2, free_port(), case, dtype, factor, out), nprocs=2, join=True)
+    return [torch.load(f"{out}.rank{r}.pt") for r in range(2)]
+
+
+KEYS = ("rows", "probs", "expert_out", "out", "hidden_grad", "probs_grad", "tokens_per_expert")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", ["uneven", "one rank receives nothing", "all experts on one rank"])
+def test_static_dispatch_equals_megatrons_all_to_all(tmp_path, case, dtype):
+    results = run(tmp_path, case, dtype)
+    for rank, r in enumerate(results):
+        up, st = r["upstream"], r["static"]
+        assert not st["overflow"] and not up["overflow"]
+        for key in KEYS:
+            assert up[key].dtype == st[key].dtype, key
+            assert torch.equal(up[key], st[key]), f"rank {rank}: {key} differs"
+        for a, b in zip(up["weight_grads"], st["weight_grads"]):
+            assert torch.equal(a, b)
+        assert st["tail"].eq(0).all()  # padding rows of the static buffers
+        # the step runner leaves a step that fits to the static attempt
+        assert r["step_rerun"]["ran_static"] and r["step_fail"]["ran_static"]
+    if case == "one rank receives nothing":
+        assert int(results[1]["static"]["tokens_per_expert"].sum()) == 0
+        assert results[1]["static"]["rows"].shape[0] == 0
+    if case == "all experts on one rank":
+        assert results[0]["ep"] == 1 and len(results[0]["static"]["tokens_per_expert"]) == 4
+
+
+@pytest.mark.slow
+def test_overflow_is_flagged_everywhere_and_the_step_reruns_or_stops(tmp_path):
+    results = run(tmp_path, "overflow", "float64", factor=1.0)
+    for r in results:
+        up, st = r["upstream"], r["static"]
+        # flagged on both ranks (all-reduced), though only some rank's peer overflowed
+        assert st["overflow"] and not up["overflow"]
+        # rows that did not fit reached no expert: fewer rows than upstream on rank 0
+        assert int(st["tokens_per_expert"].sum()) <= int(up["tokens_per_expert"].sum())
+        # rerun: the step ran again dynamically, with the gradients of the dynamic path alone
+        rerun = r["step_rerun"]
+        assert rerun["ran_static"] is False
+        for a, b in zip(up["weight_grads"], rerun["weight_grads"]):
+            assert torch.equal(a, b)
+        assert "--moe-static-dispatch-capacity-factor" in r["step_fail"]["error"]
+    assert int(results[0]["static"]["tokens_per_expert"].sum()) < int(
+        results[0]["upstream"]["tokens_per_expert"].sum()
+    )

@@ -1,0 +1,50 @@
+"""The rules of --moe-static-dispatch, and the device-side counts' rule that it opens to EP >= 2."""
+
+import pytest
+
+from tests.unit.conftest import failures, tiny_argv
+
+STATIC = (
+    "--moe-grouped-gemm-impl",
+    "torch",
+    "--moe-expert-splits-on-device",
+    "--moe-permute-fusion",
+    "--moe-static-dispatch",
+)
+EP2 = ("--expert-model-parallel-size", "2")
+
+
+def test_the_recipe_at_ep_2_passes_and_without_the_flag_the_counts_rule_names_it():
+    assert failures(tiny_argv(*STATIC, *EP2), world_size=2) == {}
+    got = failures(tiny_argv(*STATIC[:-1], *EP2), world_size=2)
+    message = got["moe-expert-splits-on-device-requirements"]
+    assert "--expert-model-parallel-size 1 (got 2" in message and "--moe-static-dispatch" in message
+
+
+@pytest.mark.parametrize(
+    "drop, extra, expected",
+    [
+        ("--moe-expert-splits-on-device", (), "--moe-grouped-gemm-impl torch --moe-expert-splits"),
+        ("--moe-permute-fusion", (), "--moe-permute-fusion"),
+        (None, ("--moe-token-dispatcher-type", "allgather"), "alltoall (got allgather)"),
+        (None, ("--expert-tensor-parallel-size", "2"), "expert tensor parallel size 1 (got 2"),
+        (None, ("--moe-expert-capacity-factor", "1.0"), "dropless MoE"),
+        (None, ("--moe-router-padding-for-quantization",), "--moe-router-padding-for-quant"),
+        (
+            None,
+            ("--moe-shared-expert-intermediate-size", "256", "--moe-shared-expert-overlap"),
+            "--moe-shared-expert-overlap",
+        ),
+        (None, ("--overlap-moe-expert-parallel-comm",), "--overlap-moe-expert-parallel-comm"),
+    ],
+)
+def test_what_the_static_path_does_not_implement_is_named(drop, extra, expected):
+    argv = [a for a in tiny_argv(*STATIC, *EP2, *extra) if a != drop]
+    got = failures(argv, world_size=4)
+    assert expected in got.get("moe-static-dispatch-requirements", ""), got
+
+
+def test_capacity_factor_below_one_is_refused():
+    got = failures(tiny_argv(*STATIC, "--moe-static-dispatch-capacity-factor", "0.8"))
+    assert "must be at least 1.0" in got["moe-static-dispatch-capacity-factor"]
+    assert failures(tiny_argv(*STATIC, "--moe-static-dispatch-capacity-factor", "1.25")) == {}
