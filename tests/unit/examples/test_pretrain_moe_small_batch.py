@@ -52,3 +52,42 @@ def test_a_timer_inside_the_captured_step_is_refused_before_launch():
 def test_unknown_graph_mode_is_an_error():
     proc = dry_run_example(SCRIPTS["local"], GRAPHS="everything")
     assert proc.returncode == 2 and "GRAPHS must be full, layer or none" in proc.stderr
+
+
+@pytest.mark.parametrize("script, knobs", [("local", {"NGPUS": "2"}), ("slurm", {})])
+def test_expert_parallel_full_graphs_take_the_static_all_to_all(script, knobs):
+    proc = dry_run_example(SCRIPTS[script], EP="2", CAPACITY_FACTOR="1.5", **knobs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "expert model parallel (EP) ........ 2" in out
+    assert (
+        "static_dispatch (--moe-static-dispatch, --moe-static-dispatch-capacity-factor 1.5" in out
+    )
+    assert "static_dispatch.graph_step" in out
+    assert ("--optimizer-cuda-graph" in out) == (script == "local")
+    assert out.rstrip().endswith("dry-run: OK")
+
+
+def test_expert_parallel_without_full_graphs_keeps_megatrons_dispatcher():
+    proc = dry_run_example(SCRIPTS["local"], NGPUS="2", EP="2", GRAPHS="layer")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "static_dispatch" not in proc.stdout and "--optimizer-cuda-graph" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "knob, value, message",
+    [
+        ("EP", "0", "EP must be a whole number >= 1"),
+        ("CAPACITY_FACTOR", "lots", "CAPACITY_FACTOR must be a number"),
+        ("OPTIMIZER_GRAPH", "yes", "OPTIMIZER_GRAPH must be 0 or 1"),
+    ],
+)
+def test_bad_expert_knobs_are_named(knob, value, message):
+    proc = dry_run_example(SCRIPTS["local"], **{knob: value})
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_a_capacity_factor_below_one_is_refused_before_launch():
+    proc = dry_run_example(SCRIPTS["local"], NGPUS="2", EP="2", CAPACITY_FACTOR="0.5")
+    assert proc.returncode != 0
+    assert "[moe-static-dispatch-capacity-factor]" in proc.stdout + proc.stderr
