@@ -35,6 +35,9 @@ setup(
         "te": ["transformer-engine[pytorch]==2.20.2"],
         "test": ["pytest>=8", "hypothesis>=6"],
         "bench": ["matplotlib"],
+        # Peers for tools/bench.py (tools/peers/): torchtitan's Qwen3-MoE through its own model,
+        # compile and CUDA-graph code. Offline GPU machines: tools/peers/prepare_wheels.sh.
+        "bench-peers": ["torchtitan==0.3.0"],
         # DeepEP and NVIDIA apex are optional and not installable from the registry in a usable
         # form: see docs/deepep.md and tools/install_deepep.sh; apex is never required.
     },

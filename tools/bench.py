@@ -24,6 +24,13 @@ barrier across ranks: the last rank's time), which also times a full-iteration C
 (``--cuda-graph-impl full_iteration``). It writes ``bench.json`` and ``bench.png`` (step
 time, MFU, memory and loss curves) into ``--out``.
 
+A variant named ``torchtitan`` or ``torchtitan-...`` trains torchtitan's Qwen3-MoE model on the
+same flag file instead (``tools/peers/torchtitan_runner.py``: same shape, batch, optimizer and
+learning-rate schedule, synthetic tokens distributed as megatron's mock data, the same metrics
+records and FLOP formula); its ``--tt-...`` flags choose torchtitan's options
+(``--variant "torchtitan=--tt-compile --tt-cuda-graphs"``). It needs ``pip install
+.[bench-peers]``.
+
 ``--repeat N`` runs the variants N times, every second time in mirrored order (ABC CBA ...), and
 prints a second table pooling each variant's repeats, for configs whose step time drifts during a
 run (a single order would hand the drift to the later variants).
@@ -131,12 +138,14 @@ def device_facts() -> dict:
         facts["megatron_core"] = installed_mcore_version()
     except ImportError:
         pass
-    try:
-        from importlib import metadata
+    from importlib import metadata
 
-        facts["transformer_engine"] = metadata.version("transformer-engine")
-    except Exception:
-        facts["transformer_engine"] = None
+    packages = (("transformer_engine", "transformer-engine"), ("torchtitan", "torchtitan"))
+    for key, package in packages:
+        try:
+            facts[key] = metadata.version(package)
+        except Exception:
+            facts[key] = None
     return facts
 
 
@@ -445,6 +454,18 @@ def format_pooled_table(pooled: list[dict]) -> str:
     return trace_summary.markdown_table(table)
 
 
+PEER_RUNNERS = {"torchtitan": os.path.join(ROOT, "tools", "peers", "torchtitan_runner.py")}
+
+
+def peer_runner(name: str) -> str | None:
+    """The runner script of a peer variant: one named after a peer (``torchtitan``) or
+    starting with its name and a dash (``torchtitan-graphs``); None for megatron variants."""
+    for peer, script in PEER_RUNNERS.items():
+        if name == peer or name.startswith(f"{peer}-"):
+            return script
+    return None
+
+
 def is_upstream(name: str, flags: list) -> bool:
     """'upstream' alone, or any variant named 'upstream-...' (with upstream flags), runs
     unpatched."""
@@ -677,7 +698,10 @@ def main(argv=None) -> int:
             label = label if value is None else f"{label} {sweep_flag[2:]}={value}"
             argv = base_argv if value is None else argsfile.override(base_argv, sweep_flag, value)
             env, flags = split_env(flags)
-            if is_upstream(name, flags):
+            peer = peer_runner(name)
+            if peer is not None:
+                entry = [peer]
+            elif is_upstream(name, flags):
                 if opts.upstream_script:
                     entry = [os.path.join(ROOT, "tools", "run_upstream.py"), opts.upstream_script]
                 else:
@@ -763,7 +787,9 @@ def main(argv=None) -> int:
     print()
     print(
         f"{title}; torch {facts.get('torch')}, megatron-core {facts.get('megatron_core')}, "
-        f"transformer-engine {facts.get('transformer_engine')}; {opts.iters} iterations, median of "
+        f"transformer-engine {facts.get('transformer_engine')}"
+        + (f", torchtitan {facts['torchtitan']}" if facts.get("torchtitan") else "")
+        + f"; {opts.iters} iterations, median of "
         f"the last {opts.iters - opts.warmup}"
     )
     print(format_table(rows, peak))
