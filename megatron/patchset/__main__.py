@@ -1,4 +1,5 @@
-"""``python -m megatron.patchset``: the registry by feature (``--list``) and the version guard."""
+"""``python -m megatron.patchset``: the registry by feature (``--list``), the version guard, and
+``export`` (each feature as source edits to a Megatron-LM checkout)."""
 
 import argparse
 import sys
@@ -8,10 +9,16 @@ from megatron.patchset.core import listing, versions
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["export"]:
+        from megatron.patchset.export import cli
+
+        return cli.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m megatron.patchset",
         description=f"megatron-patchset {__version__}: patches over megatron-core "
-        f"{versions.SUPPORTED_MCORE_VERSION}, grouped by feature.",
+        f"{versions.SUPPORTED_MCORE_VERSION}, grouped by feature. 'python -m megatron.patchset "
+        "export --help': each feature as source edits to a Megatron-LM checkout.",
     )
     parser.add_argument(
         "--list", action="store_true", help="Print every feature with its flags, rules and patches."

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron.patchset.core.errors import PatchsetError
+from megatron.patchset.core.upstream_pr import UpstreamPR
 
 # The core's modules that declare compat/observe patches and rules.
 CORE_MODULES = (
@@ -43,7 +44,8 @@ class Feature:
         title: one line for tables.
         switches: how a user turns it on, as typed (``--list``'s "on" column, the dry-run).
         enabled: predicate of the parsed arguments (False for a library API without flags).
-        upstream_pr: the upstream PR, or ``fork-only (...)``.
+        upstream_pr: where the feature stands upstream, an :class:`UpstreamPR` or its text:
+            ``PR <number> (note)``, ``proposed (note)`` or ``fork-only (reason)``.
         status: ``stable``, ``experimental`` or ``not yet verified on N GPUs``.
         modules: the feature's modules that declare patches and rules (imported on load).
         flags: the fork's own flags the feature adds (``add_arguments`` adds them).
@@ -61,7 +63,7 @@ class Feature:
     title: str
     switches: tuple[str, ...]
     enabled: Callable[[Any], bool]
-    upstream_pr: str
+    upstream_pr: UpstreamPR | str
     status: str
     modules: tuple[str, ...] = ()
     flags: tuple[str, ...] = ()
@@ -72,6 +74,10 @@ class Feature:
     in_use: Callable[[Any], list[str]] | None = None
 
     def __post_init__(self):
+        try:
+            object.__setattr__(self, "upstream_pr", UpstreamPR.parse(self.upstream_pr))
+        except PatchsetError as exc:
+            raise PatchsetError(f"feature {self.name}: {exc}") from None
         verified = self.status.startswith("not yet verified on ") and self.status.endswith(" GPUs")
         if self.status not in STATUSES and not verified:
             raise PatchsetError(

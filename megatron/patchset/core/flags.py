@@ -12,6 +12,7 @@ import difflib
 import re
 
 from megatron.patchset.core import features
+from megatron.patchset.core.provided import provided
 
 GROUP_TITLE = "megatron-patchset"
 
@@ -58,6 +59,7 @@ def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "Default: the WORLD_SIZE environment variable, else 1.",
     )
     for feature in features.load():
-        if feature.add_arguments is not None:
+        # An exported megatron (python -m megatron.patchset export) already has them.
+        if feature.add_arguments is not None and not provided(feature.name):
             feature.add_arguments(group)
     return parser

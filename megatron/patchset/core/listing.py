@@ -43,10 +43,20 @@ def _patch_lines(
     lines = wrap(f"{patch.name} ({'; '.join(notes)})", "      ", "  ")
     lines += wrap(patch.target, "      ", "      ")
     if feature is None or patch.upstream != feature.upstream_pr:
-        lines += wrap(patch.upstream, "        ", "      upstream: ")
+        lines += wrap(str(patch.upstream), "        ", "      upstream: ")
     if reasons:
         lines += wrap(patch.reason, "        ", "      why: ")
     return lines
+
+
+def _export_line(feature: features.Feature) -> str:
+    """Whether ``python -m megatron.patchset export`` can export the feature, and if not why."""
+    from megatron.patchset.export.plan import exportability
+
+    reason = exportability(feature)
+    if reason is None:
+        return "yes (python -m megatron.patchset export --feature " + feature.name + ")"
+    return "no (fork-only)" if reason.startswith("fork-only") else f"no ({reason})"
 
 
 def format_list(reasons: bool = False) -> str:
@@ -67,7 +77,8 @@ def format_list(reasons: bool = False) -> str:
         out += wrap(", ".join(feature.switches) or "its library API", "      ", "  on: ")
         if feature.flags and feature.flags != feature.switches:
             out += wrap(", ".join(feature.flags), "      ", "  flags: ")
-        out += wrap(feature.upstream_pr, "      ", "  upstream: ")
+        out += wrap(str(feature.upstream_pr), "      ", "  upstream: ")
+        out += wrap(_export_line(feature), "      ", "  export: ")
         feature_rules = [r.name for r in rules.all_rules() if r.feature == feature.name]
         if feature_rules:
             out += wrap(", ".join(feature_rules), "      ", "  rules: ")

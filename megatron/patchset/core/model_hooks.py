@@ -12,6 +12,7 @@ import argparse
 from collections.abc import Callable
 
 from megatron.patchset.core import features
+from megatron.patchset.core.provided import provided
 
 ModelHook = Callable[[list], list]
 
@@ -23,7 +24,7 @@ def configure_transformer_config(args: argparse.Namespace, config) -> None:
     without them behaves exactly as upstream.
     """
     for feature in features.load():
-        if feature.configure_config is not None:
+        if feature.configure_config is not None and not provided(feature.name):
             feature.configure_config(args, config)
 
 
@@ -33,5 +34,5 @@ def pre_wrap_hooks(args: argparse.Namespace) -> list[ModelHook]:
     return [
         feature.pre_wrap_hook(args)
         for feature in features.enabled(args)
-        if feature.pre_wrap_hook is not None
+        if feature.pre_wrap_hook is not None and not provided(feature.name)
     ]

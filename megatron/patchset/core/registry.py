@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from megatron.patchset.core.errors import PatchsetError, PatchTargetError
+from megatron.patchset.core.provided import provided
+from megatron.patchset.core.upstream_pr import UpstreamPR
 from megatron.patchset.core.versions import (
     SUPPORTED_MCORE_VERSION,
     check_versions,
@@ -65,8 +67,8 @@ class Patch:
         reason: one line: why upstream's behaviour must change.
         module: the module that declared the patch.
         feature: the feature folder it belongs to (None for the core's patches).
-        upstream_pr: the upstream PR this corresponds to, or ``fork-only (...)``; None takes the
-            feature's.
+        upstream_pr: where the change stands upstream (:class:`UpstreamPR`: ``PR <number>``,
+            ``proposed`` or ``fork-only (reason)``); None takes the feature's.
         flags: the flags (or ``env VAR``) that turn it on, for ``--list``; None takes the feature's
             switches, () means always.
         enabled: predicate of the parsed arguments (``None`` when there are none, as under
@@ -83,7 +85,7 @@ class Patch:
     reason: str
     module: str
     feature: str | None = None
-    upstream_pr: str | None = None
+    upstream_pr: UpstreamPR | None = None
     flags: tuple[str, ...] | None = None
     enabled: Callable[[Any], bool] | None = None
     kind: str = "feature"
@@ -104,11 +106,11 @@ class Patch:
         return feature.switches if feature is not None else ()
 
     @property
-    def upstream(self) -> str:
+    def upstream(self) -> UpstreamPR:
         if self.upstream_pr is not None:
             return self.upstream_pr
         feature = self._feature()
-        return feature.upstream_pr if feature is not None else "fork-only"
+        return feature.upstream_pr if feature is not None else UpstreamPR("fork-only", None, "core")
 
     def wanted(self, args: Any) -> bool:
         if self.enabled is not None:
@@ -141,7 +143,7 @@ def patch(
     target: str,
     *,
     reason: str,
-    upstream_pr: str | None = None,
+    upstream_pr: UpstreamPR | str | None = None,
     flags: Iterable[str] | None = None,
     enabled: Callable[[Any], bool] | None = None,
     kind: str = "feature",
@@ -151,6 +153,7 @@ def patch(
     if kind not in KINDS:
         raise PatchsetError(f"patch {name!r}: kind must be one of {KINDS}, not {kind!r}")
     module = sys._getframe(1).f_globals.get("__name__", "")
+    upstream = None if upstream_pr is None else _parse_upstream(name, upstream_pr)
 
     def declare(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if name in _REGISTRY:
@@ -162,7 +165,7 @@ def patch(
             reason=reason,
             module=module,
             feature=_feature_of(module),
-            upstream_pr=upstream_pr,
+            upstream_pr=upstream,
             flags=None if flags is None else tuple(flags),
             enabled=enabled,
             kind=kind,
@@ -170,6 +173,13 @@ def patch(
         return factory
 
     return declare
+
+
+def _parse_upstream(name: str, value: UpstreamPR | str) -> UpstreamPR:
+    try:
+        return UpstreamPR.parse(value)
+    except PatchsetError as exc:
+        raise PatchsetError(f"patch {name!r}: {exc}") from None
 
 
 def registered() -> list[Patch]:
@@ -344,11 +354,19 @@ def skipped_patches() -> set[str]:
 
 def selected(args: Any) -> list[Patch]:
     """The patches :func:`apply` installs for ``args``: those the flags want, less the ones
-    ``MEGATRON_PATCHSET_SKIP_PATCHES`` names. Under ``MEGATRON_PATCHSET=off`` a fork flag (a
-    wanted ``feature`` patch) is refused: that mode runs unpatched upstream."""
+    ``MEGATRON_PATCHSET_SKIP_PATCHES`` names, and the feature patches of features the running
+    megatron already contains (:mod:`~megatron.patchset.core.provided`). Under
+    ``MEGATRON_PATCHSET=off`` a fork flag (a wanted ``feature`` patch) is refused: that mode runs
+    unpatched upstream."""
     patches = wanted(args)
     skipped = skipped_patches()
-    patches = [p for p in patches if p.name not in skipped]
+    # A feature exported into the running megatron (python -m megatron.patchset export) installs
+    # its own patches.
+    patches = [
+        p
+        for p in patches
+        if p.name not in skipped and not (p.kind == "feature" and provided(p.feature))
+    ]
     if upstream_mode():
         feature = [p for p in patches if p.kind == "feature"]
         if feature:

@@ -31,7 +31,7 @@ def test_apply_replaces_and_is_idempotent(registry):
     def helper(x):
         return x + 100
 
-    patch("fake.helper", f"{FAKE}.helper", reason="r", upstream_pr="none")(replace_with(helper))
+    patch("fake.helper", f"{FAKE}.helper", reason="r", upstream_pr="proposed")(replace_with(helper))
 
     original = fake_upstream.helper
     assert registry.apply_patches(registry.registered()) == ["fake.helper"]
@@ -50,7 +50,7 @@ def test_apply_replaces_and_is_idempotent(registry):
 def test_wrapping_factory_receives_the_original(registry):
     seen = []
 
-    @patch("fake.scale", f"{FAKE}.Widget.scale", reason="r", upstream_pr="none")
+    @patch("fake.scale", f"{FAKE}.Widget.scale", reason="r", upstream_pr="proposed")
     def wrap_scale(original):
         def scale(self, x):
             seen.append(x)
@@ -72,11 +72,11 @@ def test_static_and_class_methods_keep_their_kind_and_revert(registry):
     def describe():
         return "patched"
 
-    patch("fake.describe", f"{FAKE}.Widget.describe", reason="r", upstream_pr="none")(
+    patch("fake.describe", f"{FAKE}.Widget.describe", reason="r", upstream_pr="proposed")(
         replace_with(describe)
     )
 
-    @patch("fake.build", f"{FAKE}.Widget.build", reason="r", upstream_pr="none")
+    @patch("fake.build", f"{FAKE}.Widget.build", reason="r", upstream_pr="proposed")
     def wrap_build(original):
         def build(cls):
             obj = original(cls)
@@ -100,7 +100,7 @@ def test_inherited_attribute_is_deleted_again_on_revert(registry):
     def inherited(self):
         return "widget"
 
-    patch("fake.inherited", f"{FAKE}.Widget.inherited", reason="r", upstream_pr="none")(
+    patch("fake.inherited", f"{FAKE}.Widget.inherited", reason="r", upstream_pr="proposed")(
         replace_with(inherited)
     )
 
@@ -121,7 +121,7 @@ def test_apply_selects_by_flags(registry):
         "fake.on",
         f"{FAKE}.helper",
         reason="r",
-        upstream_pr="none",
+        upstream_pr="proposed",
         flags=("--fake-on",),
         enabled=lambda a: a.fake_on,
     )(replace_with(helper))
@@ -141,7 +141,7 @@ def test_skip_env_leaves_named_patches_out(registry, monkeypatch, capsys):
     def helper(x):
         return -x
 
-    patch("fake.on", f"{FAKE}.helper", reason="r", upstream_pr="none", flags=("--fake-on",))(
+    patch("fake.on", f"{FAKE}.helper", reason="r", upstream_pr="proposed", flags=("--fake-on",))(
         replace_with(helper)
     )
 
@@ -158,8 +158,8 @@ def test_skip_env_leaves_named_patches_out(registry, monkeypatch, capsys):
 
 
 def test_two_patches_on_one_target_are_refused(registry):
-    patch("fake.a", f"{FAKE}.helper", reason="r", upstream_pr="none")(replace_with(lambda x: 0))
-    patch("fake.b", f"{FAKE}.helper", reason="r", upstream_pr="none")(replace_with(lambda x: 1))
+    patch("fake.a", f"{FAKE}.helper", reason="r", upstream_pr="proposed")(replace_with(lambda x: 0))
+    patch("fake.b", f"{FAKE}.helper", reason="r", upstream_pr="proposed")(replace_with(lambda x: 1))
     with pytest.raises(registry.PatchsetError, match="already replaced by patch 'fake.a'"):
         registry.apply_patches(registry.registered())
 
@@ -169,7 +169,7 @@ def test_vanished_target_names_target_and_versions(registry):
         "fake.gone",
         "megatron.core.datasets.utils.compile_helpers_v2",
         reason="r",
-        upstream_pr="none",
+        upstream_pr="proposed",
     )(replace_with(None))
     with pytest.raises(registry.PatchTargetError) as err:
         registry.apply_patches(registry.registered())
@@ -179,13 +179,15 @@ def test_vanished_target_names_target_and_versions(registry):
 
 
 def test_vanished_class_in_path(registry):
-    patch("fake.gone2", f"{FAKE}.Gadget.scale", reason="r", upstream_pr="none")(replace_with(None))
+    patch("fake.gone2", f"{FAKE}.Gadget.scale", reason="r", upstream_pr="proposed")(
+        replace_with(None)
+    )
     with pytest.raises(registry.PatchTargetError, match="has no attribute 'Gadget'"):
         registry.apply_patches(registry.registered())
 
 
 def test_missing_module_is_a_target_error(registry):
-    patch("fake.nomod", "megatron.core.no_such_area.fn", reason="r", upstream_pr="none")(
+    patch("fake.nomod", "megatron.core.no_such_area.fn", reason="r", upstream_pr="proposed")(
         replace_with(None)
     )
     with pytest.raises(registry.PatchTargetError, match="no_such_area"):
@@ -196,7 +198,7 @@ def test_version_guard_refuses_other_megatron_core(registry, monkeypatch):
     monkeypatch.setattr(
         real_registry, "check_versions", lambda: versions.check_versions(mcore_version="0.20.0")
     )
-    patch("fake.v", f"{FAKE}.helper", reason="r", upstream_pr="none")(replace_with(lambda x: 0))
+    patch("fake.v", f"{FAKE}.helper", reason="r", upstream_pr="proposed")(replace_with(lambda x: 0))
     with pytest.raises(versions.PatchsetVersionError) as err:
         registry.apply_patches(registry.registered())
     assert "0.20.0" in str(err.value) and "0.19.2" in str(err.value)
@@ -228,7 +230,7 @@ def test_upstream_mode_refuses_feature_patches(registry, monkeypatch):
         "fake.feature",
         f"{FAKE}.helper",
         reason="r",
-        upstream_pr="none",
+        upstream_pr="proposed",
         flags=("--fake",),
         enabled=lambda a: True,
     )(replace_with(lambda x: 0))
@@ -239,7 +241,7 @@ def test_upstream_mode_refuses_feature_patches(registry, monkeypatch):
 
 
 def test_upstream_mode_applies_compat_and_observe(registry, monkeypatch):
-    patch("fake.compat", f"{FAKE}.helper", reason="r", upstream_pr="none", kind="compat")(
+    patch("fake.compat", f"{FAKE}.helper", reason="r", upstream_pr="proposed", kind="compat")(
         replace_with(lambda x: 7)
     )
     monkeypatch.setenv("MEGATRON_PATCHSET", "off")
@@ -335,14 +337,16 @@ def test_feature_descriptors_validate_themselves():
     from megatron.patchset.core.features import Feature
 
     with pytest.raises(PatchsetError, match="status 'beta'"):
-        Feature(name="x", title="x", switches=(), enabled=bool, upstream_pr="none", status="beta")
+        Feature(
+            name="x", title="x", switches=(), enabled=bool, upstream_pr="proposed", status="beta"
+        )
     with pytest.raises(PatchsetError, match="flags and add_arguments go together"):
         Feature(
             name="x",
             title="x",
             switches=(),
             enabled=bool,
-            upstream_pr="none",
+            upstream_pr="proposed",
             status="stable",
             flags=("--x",),
         )
@@ -351,6 +355,6 @@ def test_feature_descriptors_validate_themselves():
         title="x",
         switches=(),
         enabled=bool,
-        upstream_pr="none",
+        upstream_pr="proposed",
         status="not yet verified on 4 GPUs",
     )

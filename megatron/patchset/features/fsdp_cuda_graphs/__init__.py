@@ -13,8 +13,7 @@ FEATURE = Feature(
     title="TransformerEngine per-layer CUDA graphs with Megatron-FSDP",
     switches=("--use-megatron-fsdp", "--cuda-graph-impl transformer_engine"),
     enabled=wanted,
-    upstream_pr="NVIDIA/Megatron-LM#4232 / #4231 (open; the fork's own implementation for TE "
-    "2.20.2)",
+    upstream_pr="PR 4232 (with #4231, both open; the fork's own implementation for TE 2.20.2)",
     status="stable",
     modules=(f"{__name__}.rules", f"{__name__}.fsdp_hooks", f"{__name__}.te_graphs"),
 )

@@ -1,0 +1,58 @@
+"""``python -m megatron.patchset export --megatron-lm PATH --out DIR [--feature NAME ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron.patchset.core.errors import PatchsetError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron.patchset export",
+        description="Write a copy of a Megatron-LM checkout's megatron/ package with the fork's "
+        "features edited into upstream's files, and one git format-patch file per feature "
+        "under DIR/patches/. --list shows which features can be exported.",
+    )
+    parser.add_argument(
+        "--megatron-lm",
+        required=True,
+        metavar="PATH",
+        help="A Megatron-LM checkout, or megatron-core's installed source (the folder holding "
+        "megatron/).",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="Output folder.")
+    parser.add_argument(
+        "--feature",
+        action="append",
+        metavar="NAME",
+        help="A feature to export (repeatable). Default: every exportable feature.",
+    )
+    parser.add_argument(
+        "--record-digests",
+        action="store_true",
+        help="Instead of exporting, record the digests of the patch targets in PATH (after the "
+        "patches were updated for a new upstream version).",
+    )
+    opts = parser.parse_args(argv)
+    from megatron.patchset.export import digests, run
+    from megatron.patchset.export.source import SourceTree
+
+    try:
+        if opts.record_digests:
+            recorded = digests.record(SourceTree(opts.megatron_lm))
+            print(f"recorded {len(recorded)} target digests from {opts.megatron_lm}")
+            return 0
+        result = run.export(opts.megatron_lm, opts.out, opts.feature)
+    except PatchsetError as exc:
+        print(f"export refused: {exc}", file=sys.stderr)
+        return 1
+    for name, why in result.refused.items():
+        print(f"refused {name}: {why}", file=sys.stderr)
+    print(f"exported {', '.join(result.exported)} into {opts.out}")
+    for relative in result.files:
+        print(f"  edited  {relative}")
+    for relative in result.patches:
+        print(f"  patch   {relative}")
+    return 2 if result.refused else 0

@@ -1,0 +1,318 @@
+"""What exporting one feature edits, and where (:func:`plan`), and whether it can be exported at
+all (:func:`exportability`).
+
+A feature's pieces go where upstream keeps its own:
+
+* **flags**: a ``_add_<feature>_args(parser)`` group in ``megatron/training/arguments.py``,
+  called from ``add_megatron_arguments``;
+* **layout rules** (checked on the parsed flags): ``_validate_<feature>_args(args)`` at the
+  start of ``validate_args``;
+* **combination rules** and the **config hook**: ``_configure_<feature>(args, config)`` at the
+  end of ``core_transformer_config_from_args`` (megatron/training/argument_utils.py), where the
+  model's ``TransformerConfig`` exists, as the overlay runs them;
+* **patches**: each patch's factory and what it uses, in the module of its target, with an
+  ``_enable_<patch>()`` that rebinds the target as the overlay does; ``validate_args`` ends with
+  ``_enable_<feature>(args)``, which calls them when the flags ask for the feature.
+
+A rule's failure raises ``ValueError`` with one ``[rule-name] message`` line per failed rule, the
+lines the overlay prints.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import textwrap
+
+from megatron.patchset.core import features as features_mod
+from megatron.patchset.core import registry
+from megatron.patchset.export.edit import Region
+from megatron.patchset.export.inline import Inliner, Origin
+from megatron.patchset.export.source import ExportRefused, SourceTree, digest, find_symbol
+
+ARGUMENTS = "megatron.training.arguments"
+ARGUMENT_UTILS = "megatron.training.argument_utils"
+DIGESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digests.json")
+
+
+def recorded_digests() -> dict[str, str]:
+    """``{target: sha256}`` of the upstream symbols the patches were written against."""
+    with open(DIGESTS, encoding="utf-8") as handle:
+        return json.load(handle)["targets"]
+
+
+def feature_patches(feature: features_mod.Feature) -> list[registry.Patch]:
+    """The feature's patches that change training (compat and observe patches stay in the
+    overlay: they apply in every mode)."""
+    return [p for p in feature.patches if p.kind == "feature"]
+
+
+def _plain_function(fn) -> bool:
+    return callable(fn) and getattr(fn, "__name__", "<lambda>") != "<lambda>"
+
+
+def exportability(feature: features_mod.Feature) -> str | None:
+    """None when the feature can be exported, else why not (one line)."""
+    pr = feature.upstream_pr
+    if not pr.exportable:
+        return f"fork-only: {pr.note}"
+    if feature.pre_wrap_hook is not None:
+        return "its pre-wrap hook transforms built modules: no upstream call site"
+    patches = feature_patches(feature)
+    if not (patches or feature.rules or feature.add_arguments):
+        return "no flags, rules or patches to export"
+    if not _plain_function(feature.enabled):
+        return "its predicate is not a module-level function"
+    known = recorded_digests()
+    for p in patches:
+        if p.target not in known:
+            return f"no recorded digest of {p.target} (patch {p.name})"
+        if p.enabled is not None and not _plain_function(p.enabled):
+            return f"patch {p.name}'s predicate is not a module-level function"
+    return None
+
+
+def exportable_features() -> list[features_mod.Feature]:
+    return [f for f in features_mod.load() if exportability(f) is None]
+
+
+@dataclasses.dataclass
+class _Destination:
+    module: str
+    relative: str
+    inliner: Inliner
+    generated: list[str] = dataclasses.field(default_factory=list)  # after the inlined code
+    roots: dict[str, Origin] = dataclasses.field(default_factory=dict)  # key -> origin
+
+
+class FeaturePlan:
+    """The regions exporting ``feature`` onto ``tree`` inserts; :class:`ExportRefused` when a
+    target moved or changed (the message names the symbol)."""
+
+    def __init__(self, feature: features_mod.Feature, tree: SourceTree):
+        reason = exportability(feature)
+        if reason is not None:
+            raise ExportRefused(f"{feature.name} is not exportable: {reason}")
+        self.feature, self.tree = feature, tree
+        self.destinations: dict[str, _Destination] = {}
+        self.calls: list[Region] = []
+        self._collect()
+
+    def _destination(self, module: str) -> _Destination:
+        if module not in self.destinations:
+            relative = self.tree.module_path(module)
+            if relative is None:
+                raise ExportRefused(f"{module}: the module is missing")
+            parsed = ast.parse(self.tree.read(relative))
+            self.destinations[module] = _Destination(
+                module, relative, Inliner(self.feature.name, module, parsed)
+            )
+        return self.destinations[module]
+
+    def _root(self, module: str, key: str, fn) -> None:
+        destination = self._destination(module)
+        destination.roots[key] = destination.inliner.add(fn)
+
+    def _collect(self) -> None:
+        feature, known = self.feature, recorded_digests()
+        self._patches = []
+        for p in feature_patches(feature):
+            symbol = find_symbol(self.tree, p.target)
+            if digest(symbol) != known[p.target]:
+                raise ExportRefused(
+                    f"{p.target} changed since the patch {p.name} was written (its source differs "
+                    "from megatron-core 0.19.2's): the feature cannot be exported onto this tree"
+                )
+            self._root(symbol.module, f"factory:{p.name}", p.factory)
+            predicate = p.enabled or feature.enabled
+            self._root(ARGUMENTS, f"predicate:{p.name}", predicate)
+            self._patches.append((p, symbol))
+        if feature.add_arguments is not None:
+            self._root(ARGUMENTS, "flags", feature.add_arguments)
+        self._layout = [r for r in feature.rules if r.phase == "layout"]
+        self._combination = [r for r in feature.rules if r.phase == "combination"]
+        for r in self._layout:
+            self._root(ARGUMENTS, f"rule:{r.name}", r.check)
+        for r in self._combination:
+            self._root(ARGUMENT_UTILS, f"rule:{r.name}", r.check)
+        if feature.configure_config is not None:
+            self._root(ARGUMENT_UTILS, "configure", feature.configure_config)
+        for anchor in ("add_megatron_arguments", "validate_args"):
+            self._check_function(ARGUMENTS, anchor)
+        if self._combination or feature.configure_config is not None:
+            self._check_function(ARGUMENT_UTILS, "core_transformer_config_from_args")
+
+    def _check_function(self, module: str, name: str) -> None:
+        find_symbol(self.tree, f"{module}.{name}")
+
+    # -- rendering ----------------------------------------------------------------------
+
+    def names(self) -> dict[str, dict[str, Origin]]:
+        """``{destination: {name: origin}}`` of the module-level names the feature adds."""
+        out: dict[str, dict[str, Origin]] = {}
+        for module, destination in self.destinations.items():
+            for origin, names in destination.inliner.names().items():
+                for name in names:
+                    out.setdefault(module, {})[name] = origin
+        return out
+
+    def regions(self, reserved: dict[str, dict[str, Origin]] | None = None) -> list[Region]:
+        reserved = reserved or {}
+        feature, name = self.feature, self.feature.name
+        rendered: dict[str, tuple[str, dict[Origin, str]]] = {
+            module: d.inliner.render(reserved.get(module, {}))
+            for module, d in self.destinations.items()
+        }
+
+        def final(module: str, key: str) -> str:
+            return rendered[module][1][self.destinations[module].roots[key]]
+
+        generated: dict[str, list[str]] = {m: [] for m in self.destinations}
+        calls: list[Region] = []
+        arguments = self.destinations[ARGUMENTS].relative if ARGUMENTS in self.destinations else ""
+
+        # patches: an _enable_<patch>() next to each target, called from validate_args
+        by_predicate: dict[str, list[tuple[str, str]]] = {}
+        for p, symbol in self._patches:
+            enable = "_enable_" + p.name.replace(".", "_")
+            factory = final(symbol.module, f"factory:{p.name}")
+            generated[symbol.module].append(_enable_function(enable, factory, p, symbol))
+            predicate = final(ARGUMENTS, f"predicate:{p.name}")
+            by_predicate.setdefault(predicate, []).append((symbol.module, enable))
+        if by_predicate:
+            body = []
+            for predicate, enables in by_predicate.items():
+                body.append(f"    if {predicate}(args):")
+                for module, enable in enables:
+                    body.append(f"        from {module} import {enable}")
+                    body.append(f"        {enable}()")
+            generated[ARGUMENTS].append(
+                f"def _enable_{name}(args):\n"
+                f'    """Install the changes of {feature.title} when the flags ask for them."""\n'
+                + "\n".join(body)
+            )
+            calls.append(Region(arguments, "return:validate_args", name, f"_enable_{name}(args)"))
+        if feature.add_arguments is not None:
+            generated[ARGUMENTS].append(
+                f"def _add_{name}_args(parser):\n"
+                f"    group = parser.add_argument_group(title={feature.title!r})\n"
+                f"    {final(ARGUMENTS, 'flags')}(group)\n"
+                "    return parser"
+            )
+            calls.append(
+                Region(
+                    arguments,
+                    "return:add_megatron_arguments",
+                    name,
+                    f"parser = _add_{name}_args(parser)",
+                )
+            )
+        if self._layout:
+            generated[ARGUMENTS].append(
+                _rules_function(
+                    f"_validate_{name}_args",
+                    "args",
+                    feature.title,
+                    [(r.name, final(ARGUMENTS, f"rule:{r.name}")) for r in self._layout],
+                )
+            )
+            calls.append(
+                Region(arguments, "start:validate_args", name, f"_validate_{name}_args(args)")
+            )
+        if self._combination or feature.configure_config is not None:
+            utils = self.destinations[ARGUMENT_UTILS]
+            checks = [(r.name, final(ARGUMENT_UTILS, f"rule:{r.name}")) for r in self._combination]
+            text = _rules_function(f"_configure_{name}", "args, config", feature.title, checks)
+            if feature.configure_config is not None:
+                text += f"\n    {final(ARGUMENT_UTILS, 'configure')}(args, config)"
+            generated[ARGUMENT_UTILS].append(text)
+            calls.append(
+                Region(
+                    utils.relative,
+                    "return:core_transformer_config_from_args",
+                    name,
+                    f"_configure_{name}(args, config)",
+                )
+            )
+        regions = []
+        for module, destination in self.destinations.items():
+            text = "\n\n\n".join([rendered[module][0], *generated[module]])
+            regions.append(Region(destination.relative, "end", name, text))
+        return regions + calls
+
+
+def _rules_function(name: str, params: str, title: str, checks: list[tuple[str, str]]) -> str:
+    lines = [
+        f"def {name}({params}):",
+        f'    """Flag combinations that {title} cannot run; raises ValueError naming each."""',
+    ]
+    if checks:
+        lines += ["    failures = []", "    for name, check in ("]
+        lines += [f"        ({rule!r}, {fn})," for rule, fn in checks]
+        lines += [
+            "    ):",
+            f"        message = check({params})",
+            "        if message:",
+            '            failures.append(f"[{name}] {message}")',
+            "    if failures:",
+            "        raise ValueError(",
+            '            f"{len(failures)} invalid flag combination(s):\\n  "',
+            '            + "\\n  ".join(failures)',
+            "        )",
+        ]
+    return "\n".join(lines)
+
+
+def _enable_function(enable: str, factory: str, p: registry.Patch, symbol) -> str:
+    path = symbol.path
+    reason = textwrap.fill(p.reason, 88, subsequent_indent="    ")
+    head = [f"def {enable}():", f'    """{reason}"""']
+    if len(path) == 1:
+        head.append(f"    global {path[0]}")
+        rebind = f"{path[0]} = {factory}({path[0]})"
+    else:
+        owner, attr = ".".join(path[:-1]), path[-1]
+        if "staticmethod" in symbol.decorators:
+            rebind = f"{owner}.{attr} = staticmethod({factory}({owner}.{attr}))"
+        elif "classmethod" in symbol.decorators:
+            rebind = f"{owner}.{attr} = classmethod({factory}({owner}.__dict__[{attr!r}].__func__))"
+        else:
+            rebind = f"{owner}.{attr} = {factory}({owner}.{attr})"
+    return "\n".join(
+        head
+        + [
+            f"    if {enable}.enabled:",
+            "        return",
+            f"    {rebind}",
+            f"    {enable}.enabled = True",
+            "",
+            "",
+            f"{enable}.enabled = False",
+        ]
+    )
+
+
+def plan(selected: list[features_mod.Feature], tree: SourceTree) -> dict[str, list[Region]]:
+    """``{feature: regions}`` for ``selected`` (each refused feature raises). Names that two
+    exportable features would both bring into one module are renamed the same way whichever
+    features are selected."""
+    plans = {f.name: FeaturePlan(f, tree) for f in selected}
+    others: dict[str, FeaturePlan] = dict(plans)
+    for feature in exportable_features():
+        if feature.name not in others:
+            try:
+                others[feature.name] = FeaturePlan(feature, tree)
+            except ExportRefused:
+                continue
+    out = {}
+    for name, feature_plan in plans.items():
+        reserved: dict[str, dict[str, Origin]] = {}
+        for other_name, other in others.items():
+            if other_name == name:
+                continue
+            for module, names in other.names().items():
+                reserved.setdefault(module, {}).update(names)
+        out[name] = feature_plan.regions(reserved)
+    return out

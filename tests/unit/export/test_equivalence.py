@@ -1,0 +1,84 @@
+"""The exported tree behaves as the overlay: every exportable feature exported onto
+megatron-core 0.19.2's own source, run with the overlay's feature patches off
+(``MEGATRON_PATCHSET=off``) and that tree first on ``PYTHONPATH``, gives the same ``--dry-run``
+rule outcomes (the same rules fire, naming the same flags), the same classes under each patched
+upstream name, the same FSDP hook bookkeeping and the same schedule plan
+(:mod:`tests.unit.export.scenarios`)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.unit.conftest import ROOT
+
+
+def _scenarios(tmp_path, name, env):
+    out = tmp_path / f"{name}.json"
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "WORLD_SIZE", "MEGATRON_PATCHSET")
+        and not k.startswith("SLURM_")
+    }
+    environ.update(env)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.unit.export.scenarios", str(out)],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    with open(out) as handle:
+        return json.load(handle)
+
+
+@pytest.fixture(scope="module")
+def both(exported, tmp_path_factory):
+    folder, result = exported
+    tmp = tmp_path_factory.mktemp("scenarios")
+    overlay = _scenarios(tmp, "overlay", {"PYTHONPATH": ROOT})
+    upstream = _scenarios(
+        tmp,
+        "exported",
+        {"PYTHONPATH": folder + os.pathsep + ROOT, "MEGATRON_PATCHSET": "off"},
+    )
+    return overlay, upstream, result
+
+
+def test_the_exported_run_uses_the_exported_tree(both):
+    overlay, upstream, result = both
+    assert overlay["provided"] == []
+    assert upstream["provided"] == sorted(result.exported)
+
+
+@pytest.mark.parametrize("part", ["dry_run", "fsdp_cuda_graphs", "p2p_overlap"])
+def test_exported_tree_matches_the_overlay(both, part):
+    overlay, upstream, _ = both
+    assert upstream["observed"][part] == overlay["observed"][part]
+
+
+def test_the_scenarios_exercise_the_features(both):
+    """The comparison is not vacuous: rules fire, patched classes are in place."""
+    observed = both[0]["observed"]
+    runs = observed["dry_run"]
+    assert runs["plain"] == {"code": 0, "rules": {}}
+    assert runs["fsdp_graphs_valid"]["code"] == 0 and runs["p2p_valid"]["code"] == 0
+    assert list(runs["fsdp_local_graphs"]["rules"]) == ["fsdp-cuda-graphs-supported"]
+    assert (
+        "--fsdp-double-buffer"
+        in runs["fsdp_graphs_no_double_buffer"]["rules"]["fsdp-cuda-graphs-double-buffer"]
+    )
+    assert list(runs["p2p_layer_number_too_large"]["rules"]) == [
+        "p2p-overlap-delayed-layer-number-range"
+    ]
+    fsdp = observed["fsdp_cuda_graphs"]
+    assert fsdp["MegatronFSDP"] == ["CudaGraphAwareMegatronFSDP", "MegatronFSDP"]
+    assert fsdp["hook_roles"] and fsdp["guarded_gradient_hooks"] > 0
+    p2p = observed["p2p_overlap"]
+    assert p2p["plan"][0] == "P2POverlapChunkSchedulePlan" and p2p["layer_run"] == "run_layer"
+    assert p2p["options"]["overlap_p2p_with_transformer_layer_wgrad"] is True
