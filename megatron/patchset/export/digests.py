@@ -1,4 +1,4 @@
-"""The recorded fingerprints of the upstream symbols the patches target (``digests.json``).
+"""The recorded fingerprints of the upstream symbols the patches target (:mod:`.recorded`).
 
 The export refuses a feature whose target's definition in the given checkout differs from the
 one its patch was written against. Only sha256 digests are stored, never upstream's text;
@@ -8,11 +8,10 @@ one its patch was written against. Only sha256 digests are stored, never upstrea
 
 from __future__ import annotations
 
-import json
+import os
 
 from megatron.patchset.core import registry
 from megatron.patchset.core.versions import SUPPORTED_MCORE_VERSION
-from megatron.patchset.export import plan
 from megatron.patchset.export.source import SourceTree, digest, find_symbol
 
 
@@ -22,10 +21,22 @@ def compute(tree: SourceTree) -> dict[str, str]:
     return {target: digest(find_symbol(tree, target)) for target in targets}
 
 
+RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorded.py")
+
+
 def record(tree: SourceTree) -> dict[str, str]:
-    """Rewrite ``digests.json`` from ``tree``; returns the digests."""
+    """Rewrite :mod:`.recorded` from ``tree``; returns the digests."""
     digests = compute(tree)
-    with open(plan.DIGESTS, "w", encoding="utf-8") as handle:
-        json.dump({"megatron_core": SUPPORTED_MCORE_VERSION, "targets": digests}, handle, indent=1)
-        handle.write("\n")
+    lines = [
+        "# ruff: noqa: E501",
+        '"""sha256 digests of the upstream symbols the feature patches target (written by',
+        '``python -m megatron.patchset export --record-digests``; never edit by hand)."""',
+        "",
+        f'MEGATRON_CORE = "{SUPPORTED_MCORE_VERSION}"',
+        "TARGETS = {",
+        *(f'    "{target}": "{value}",' for target, value in digests.items()),
+        "}",
+    ]
+    with open(RECORDED, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
     return digests

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
-import os
 import textwrap
 
 from megatron.patchset.core import features as features_mod
@@ -34,13 +32,13 @@ from megatron.patchset.export.source import ExportRefused, SourceTree, digest, f
 
 ARGUMENTS = "megatron.training.arguments"
 ARGUMENT_UTILS = "megatron.training.argument_utils"
-DIGESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digests.json")
 
 
 def recorded_digests() -> dict[str, str]:
     """``{target: sha256}`` of the upstream symbols the patches were written against."""
-    with open(DIGESTS, encoding="utf-8") as handle:
-        return json.load(handle)["targets"]
+    from megatron.patchset.export import recorded
+
+    return dict(recorded.TARGETS)
 
 
 def feature_patches(feature: features_mod.Feature) -> list[registry.Patch]:

@@ -1,0 +1,40 @@
+# ruff: noqa: E501
+"""sha256 digests of the upstream symbols the feature patches target (written by
+``python -m megatron.patchset export --record-digests``; never edit by hand)."""
+
+MEGATRON_CORE = "0.19.2"
+TARGETS = {
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter.MegatronFSDP": "29392ab8d7c2d458b2d6ddd0acf3c08b4530aa08d6e118042964d7878edaa668",
+    "megatron.core.extensions.transformer_engine.TEDotProductAttention.forward": "34e2005a4a1a66e096b95f75c25b7ee9065b2d56218748a4dc19299f9d5d72e1",
+    "megatron.core.extensions.transformer_engine.TELayerNormColumnParallelLinear.forward": "bc2e48179d9de81428f20759423c12fb7d66b67e18282462d6476cb180b88d76",
+    "megatron.core.extensions.transformer_engine.TELinear.forward": "3b05803d90226df4428245299f6e293d7d46fb826091a9dd5e4eae13ac082701",
+    "megatron.core.extensions.transformer_engine_spec_provider.TEColumnParallelGroupedLinear": "870d0caf56a92c1e0bbf6f7ef637c499ba64073fba1e228db43f0f8a68e7e552",
+    "megatron.core.extensions.transformer_engine_spec_provider.TENorm": "870d0caf56a92c1e0bbf6f7ef637c499ba64073fba1e228db43f0f8a68e7e552",
+    "megatron.core.extensions.transformer_engine_spec_provider.TERowParallelGroupedLinear": "870d0caf56a92c1e0bbf6f7ef637c499ba64073fba1e228db43f0f8a68e7e552",
+    "megatron.core.tensor_parallel.layers.get_tensor_model_parallel_group_if_none": "e5c91257246d2481e1dc628ae0bdb6ebc6dbe5e39d33aec33600704479591ef2",
+    "megatron.core.transformer.attention.apply_rotary_pos_emb": "c5bfaa886519a016f2f0769d6f7bbc6a57fcbaa81864c1620e92087dd3b4c913",
+    "megatron.core.transformer.module.GraphableMegatronModule.__call__": "ea664a455c712017f5aada87681e393b7e13f086997152fa636d02a9b8c01511",
+    "megatron.core.transformer.module.GraphableMegatronModule._te_cuda_graph_capture": "e4c314844024fe9e93bfb79ffaa9125f62a2ec78c1e0bda7912ef4aee4c2d842",
+    "megatron.core.transformer.module.GraphableMegatronModule.get_layer_static_inputs": "f8f346b3dddd3180209c15e77a56a69d29fc48d2ac9c03213cf4c926cfa58cba",
+    "megatron.core.transformer.moe.experts.TEGroupedMLP._make_fused_ops": "c311f59f7f937d69d23d673e034010d417d869d3be6d7fb3d37cb8107339c3a1",
+    "megatron.core.transformer.moe.experts.TEGroupedMLP.forward": "1c8a3f5aadf290b0f516513f3b5fa75db7a882ccaf85307d1cff4379fe00077a",
+    "megatron.core.transformer.moe.moe_layer.MoEAlltoAllTokenDispatcher": "f641220d1ec24556aaed36638b324c40f126eef3dfc7e199247e9671b4959765",
+    "megatron.core.transformer.moe.moe_layer.MoELayer.combine": "b705f78157b64777c2777adc5f2428fbc57bf24debf8cbc9d37cc4787f6d3a4d",
+    "megatron.core.transformer.moe.moe_layer.MoELayer.dispatch": "6319c4552fc432f77df5946e8d39050091bda29201f83b37f079b6ed4bf65ff0",
+    "megatron.core.transformer.moe.moe_layer.MoELayer.routed_experts_compute": "4b98ae7b687a796f7fc29b84e15b08762baa4c09629ee209ac40ec39270372b8",
+    "megatron.core.transformer.moe.moe_utils.MoEAuxLossAutoScaler.backward": "bf5b8abce6beee0728a72772b0b5ab7840069f9e0cb8b8f8465d8d3b7815b6aa",
+    "megatron.core.transformer.moe.paged_stash.PagedStashRunner.__init__": "129c2545076f8a3272e20e84584c44618230b17dcdd9bcd8fb00343a1a02cb3f",
+    "megatron.core.transformer.moe.router.apply_random_logits": "6d3c4e8afd942c64110559a45c10b322bdff2b366a45dbc6291a3757b04b4f5b",
+    "megatron.core.transformer.moe.router.compute_routing_scores_for_aux_loss": "6d3c4e8afd942c64110559a45c10b322bdff2b366a45dbc6291a3757b04b4f5b",
+    "megatron.core.transformer.moe.router.router_gating_linear": "6d3c4e8afd942c64110559a45c10b322bdff2b366a45dbc6291a3757b04b4f5b",
+    "megatron.core.transformer.moe.router.switch_load_balancing_loss_func": "6d3c4e8afd942c64110559a45c10b322bdff2b366a45dbc6291a3757b04b4f5b",
+    "megatron.core.transformer.moe.router.topk_routing_with_score_function": "6d3c4e8afd942c64110559a45c10b322bdff2b366a45dbc6291a3757b04b4f5b",
+    "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize": "c98eee6ed10d1ac2c71cdac3653b6b999b8b0d75d5e349a4a3df437279a6803d",
+    "megatron.core.transformer.moe.token_dispatcher._HybridEPManager.dispatch": "c41e729607fd0ac1df28c60896b1abf40c13ec7f17e94ae859f6b1e8c7ca6415",
+    "megatron.core.transformer.moe.token_dispatcher.permute": "35b923e6df17ae153c344e40fbe47491155402d11748ea3817073e3d076aa96f",
+    "megatron.core.transformer.moe.token_dispatcher.unpermute": "35b923e6df17ae153c344e40fbe47491155402d11748ea3817073e3d076aa96f",
+    "megatron.training.models.gpt.GPTModel": "e24de98e36c8b617f66058afef629e37b450755de55d0d40c711a552f91045d0",
+    "megatron.training.training.FullCudaGraphWrapper": "c554ecd024604fd01d7ddc4562ba052d6268dbaa6963166dee5c2e37a93422b8",
+    "megatron.training.training.TECudaGraphHelper": "87876fd51ad322449ddc814a70987a3c45116e0f8caf4cc010982e9bd494b2ab",
+    "megatron.training.training.get_forward_backward_func": "5b3a7953359d3e9b5c969f2cb2e30db3978564f01b5728cad3e37965d8fc0fb6",
+}
