@@ -288,7 +288,7 @@ def graphable(params_dtype=torch.float32):
 def test_patch_targets_and_flags():
     for name in MODULE_PATCHES + ("cuda_graphs.fsdp_capture_helper", fsdp_hooks.PATCH_NAME):
         patch = registry.get(name)
-        assert patch.kind == "feature" and "4232" in patch.upstream and patch.reason
+        assert patch.kind == "feature" and patch.upstream.number == 4232 and patch.reason
     args = types.SimpleNamespace(use_megatron_fsdp=True, cuda_graph_impl="transformer_engine")
     eager = types.SimpleNamespace(use_megatron_fsdp=True, cuda_graph_impl="none")
     ddp_graphs = types.SimpleNamespace(
