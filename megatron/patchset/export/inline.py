@@ -12,6 +12,10 @@ Annotations of functions are dropped (the destination may not postpone their eva
 bodies keep theirs (dataclass fields need them). Docstrings stay; comments do not survive
 ``ast.unparse``. A name that would clash with one the destination defines, or with a different
 definition another feature brings into the same module, is prefixed with the feature's name.
+
+A statement that several destinations of one feature collect is defined in one of them (its home,
+chosen by the plan) and imported into the others under the same name (:func:`assign_names`), so
+that each class, function and piece of module state exists once.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ _MACHINERY = ("megatron.patchset.core.registry", "megatron.patchset.core.feature
 _RULES = "megatron.patchset.core.rules"
 _RULE_HELPERS = ("listed",)
 _MODULE_NAMES = {"__name__", "__file__", "__doc__", "__spec__", "__package__"}
+
+
+def _from_import(module: str, names: list[str]) -> str:
+    line = f"from {module} import {', '.join(names)}"
+    if len(line) <= 100:
+        return line
+    return f"from {module} import (\n" + "".join(f"    {n},\n" for n in names) + ")"
 
 
 def is_fork(module: str) -> bool:
@@ -371,26 +382,33 @@ class Inliner:
         """The module-level names each collected statement binds (before renaming)."""
         return {o: {n: n for n in self.units[o].names} for o in self.order}
 
-    def render(self, reserved: dict[str, Origin] | None = None) -> tuple[str, dict[Origin, str]]:
+    def render(
+        self,
+        final: dict[tuple[Origin, str], str],
+        homes: dict[Origin, str] | None = None,
+        roots: set[Origin] | frozenset[Origin] = frozenset(),
+    ) -> tuple[str, dict[Origin, str]]:
         """The source to add to the destination (imports, then definitions in dependency order)
-        and each collected statement's final name. ``reserved``: names other features bring
-        into the destination, with their origins."""
-        reserved = reserved or {}
-        final: dict[tuple[Origin, str], str] = {}
-        seen: dict[str, Origin] = {}
+        and each collected statement's final name (``final``: see :func:`assign_names`).
+
+        ``homes``: the module that defines each statement the feature shares between modules;
+        the others import it from there (what ``roots`` -- the statements the generated code
+        calls -- and the statements defined here use)."""
+        homes = homes or {}
+        here = [o for o in self.order if homes.get(o, self.destination) == self.destination]
+        seen = {final[o, n] for o in self.order for n in self.units[o].names}
+        needed = set(roots)
+        for origin in here:
+            unit = self.units[origin]
+            needed.update(u for u in unit.uses.values() if isinstance(u, Origin))
+            needed.update(unit.attributes.values())
+        shared: dict[str, set[str]] = {}
         for origin in self.order:
-            for name in self.units[origin].names:
-                other = reserved.get(name)
-                clash = (
-                    name in self.taken
-                    or (other is not None and other != origin)
-                    or (name in seen and seen[name] != origin)
-                )
-                chosen = f"_{self.feature}_{name.lstrip('_')}" if clash else name
-                final[origin, name] = chosen
-                seen[chosen] = origin
+            if origin in needed and homes.get(origin, self.destination) != self.destination:
+                names = {final[origin, n] for n in self.units[origin].names}
+                shared.setdefault(homes[origin], set()).update(names)
         imports: dict[External, str] = {}
-        for origin in self.order:
+        for origin in here:
             for name, used in self.units[origin].uses.items():
                 if isinstance(used, External) and used not in imports:
                     imports[used] = self._import_name(name, used, seen)
@@ -399,10 +417,10 @@ class Inliner:
             self._import_line(external, local)
             for external, local in imports.items()
             if self._import_line(external, local)
-        )
+        ) + [_from_import(module, sorted(names)) for module, names in sorted(shared.items())]
         if lines:
             blocks.append("\n".join(lines))
-        for origin in self.order:
+        for origin in here:
             unit = self.units[origin]
             mapping = {n: final[origin, n] for n in unit.names}
             for name, used in unit.uses.items():
@@ -429,7 +447,7 @@ class Inliner:
         # one name only in that case
         return final[origin, unit.names[0]] if len(unit.names) == 1 else used_as
 
-    def _import_name(self, name: str, external: External, seen: dict) -> str:
+    def _import_name(self, name: str, external: External, seen: set[str]) -> str:
         if external.module == self.destination and external.attr is not None:
             if external.attr not in self.taken:
                 raise ExportRefused(f"{self.destination} no longer defines {external.attr!r}")
@@ -466,3 +484,36 @@ class Inliner:
         if local == external.attr:
             return f"from {external.module} import {external.attr}"
         return f"from {external.module} import {external.attr} as {local}"
+
+
+def assign_names(
+    inliners: list[Inliner], reserved: dict[str, dict[str, Origin]] | None = None
+) -> dict[tuple[Origin, str], str]:
+    """``{(statement, name it binds): final name}`` for the statements of one feature's
+    inliners. A statement that several destinations use keeps one name in all of them (it is
+    defined in one and imported into the others): its own, or -- where that would clash in any
+    of them with a name the module defines, another statement of the fork or one that another
+    feature brings in (``reserved``: ``{module: {name: origin}}``) -- prefixed with the
+    feature's name."""
+    reserved = reserved or {}
+    final: dict[tuple[Origin, str], str] = {}
+    seen: dict[str, dict[str, Origin]] = {i.destination: {} for i in inliners}
+    named: set[Origin] = set()
+    for inliner in inliners:
+        for origin in inliner.order:
+            if origin in named:
+                continue
+            named.add(origin)
+            users = [i for i in inliners if origin in i.units]
+            for name in inliner.units[origin].names:
+                clash = any(
+                    name in user.taken
+                    or reserved.get(user.destination, {}).get(name, origin) != origin
+                    or seen[user.destination].get(name, origin) != origin
+                    for user in users
+                )
+                chosen = f"_{inliner.feature}_{name.lstrip('_')}" if clash else name
+                final[origin, name] = chosen
+                for user in users:
+                    seen[user.destination][chosen] = origin
+    return final

@@ -14,20 +14,22 @@ A feature's pieces go where upstream keeps its own:
   ``_enable_<patch>()`` that rebinds the target as the overlay does; ``validate_args`` ends with
   ``_enable_<feature>(args)``, which calls them when the flags ask for the feature.
 
+What several of these modules use is defined in one of them and imported by the others
+(:meth:`FeaturePlan.homes`).
+
 A rule's failure raises ``ValueError`` with one ``[rule-name] message`` line per failed rule, the
 lines the overlay prints.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import textwrap
 
 from megatron.patchset.core import features as features_mod
 from megatron.patchset.core import registry
 from megatron.patchset.export.edit import Region
-from megatron.patchset.export.inline import Inliner, Origin
+from megatron.patchset.export.inline import Inliner, Origin, assign_names
 from megatron.patchset.export.source import ExportRefused, SourceTree, digest, find_symbol
 
 ARGUMENTS = "megatron.training.arguments"
@@ -103,7 +105,7 @@ class FeaturePlan:
             relative = self.tree.module_path(module)
             if relative is None:
                 raise ExportRefused(f"{module}: the module is missing")
-            parsed = ast.parse(self.tree.read(relative))
+            parsed = self.tree.parse(relative)
             self.destinations[module] = _Destination(
                 module, relative, Inliner(self.feature.name, module, parsed)
             )
@@ -156,11 +158,43 @@ class FeaturePlan:
                     out.setdefault(module, {})[name] = origin
         return out
 
+    def homes(self) -> dict[Origin, str]:
+        """The module that defines each statement of the fork that several destinations use: the
+        first destination (patch targets in the order of the patches, then the flags' and rules'
+        modules) whose loading does not load another of them, so that the others can import it
+        at their top level without a circular import."""
+        users: dict[Origin, list[str]] = {}
+        ordered = sorted(self.destinations, key=lambda m: m in (ARGUMENTS, ARGUMENT_UTILS))
+        for module in ordered:
+            destination = self.destinations[module]
+            for origin in destination.inliner.order:
+                users.setdefault(origin, []).append(module)
+        homes = {}
+        for origin, modules in users.items():
+            if len(modules) < 2:
+                continue
+            home = next(
+                (
+                    m
+                    for m in modules
+                    if not any(self.tree.loads(m, other) for other in modules if other != m)
+                ),
+                None,
+            )
+            if home is None:
+                raise ExportRefused(
+                    f"{origin.module} (line {origin.line}) is used by {', '.join(modules)}, "
+                    "which load each other: none of them can define it for the others"
+                )
+            homes[origin] = home
+        return homes
+
     def regions(self, reserved: dict[str, dict[str, Origin]] | None = None) -> list[Region]:
-        reserved = reserved or {}
         feature, name = self.feature, self.feature.name
+        homes = self.homes()
+        final_names = assign_names([d.inliner for d in self.destinations.values()], reserved)
         rendered: dict[str, tuple[str, dict[Origin, str]]] = {
-            module: d.inliner.render(reserved.get(module, {}))
+            module: d.inliner.render(final_names, homes, set(d.roots.values()))
             for module, d in self.destinations.items()
         }
 

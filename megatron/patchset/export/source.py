@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import hashlib
 import os
+import warnings
 
 from megatron.patchset.core.errors import PatchsetError
 
@@ -33,6 +34,8 @@ class SourceTree:
             )
         self.root = path
         self._texts: dict[str, str] = {}
+        self._imports: dict[str, frozenset[str]] = {}
+        self._trees: dict[str, ast.Module] = {}
 
     def module_path(self, module: str) -> str | None:
         """Path relative to :attr:`root` of ``module``'s file (a package's ``__init__.py``)."""
@@ -53,6 +56,49 @@ class SourceTree:
                 text = handle.read()
             self._texts[relative] = strip(text, set(features_in(text)))
         return self._texts[relative]
+
+    def parse(self, relative: str) -> ast.Module:
+        """The syntax tree of :meth:`read`'s text (shared: callers do not change it)."""
+        if relative not in self._trees:
+            with warnings.catch_warnings():  # invalid escape sequences in upstream's files
+                warnings.simplefilter("ignore", SyntaxWarning)
+                self._trees[relative] = ast.parse(self.read(relative))
+        return self._trees[relative]
+
+    def imports(self, module: str) -> frozenset[str]:
+        """The modules of ``megatron`` that loading ``module``'s file imports at its top level
+        (inside module-level ``if``/``try``/``with`` too, not under ``if TYPE_CHECKING``), with
+        the packages above each."""
+        if module not in self._imports:
+            relative = self.module_path(module)
+            found: set[str] = set()
+            if relative is not None:
+                package = module if relative.endswith("__init__.py") else module.rpartition(".")[0]
+                for name in _top_level_imports(self.parse(relative).body, package):
+                    if name.partition(".")[0] != "megatron":
+                        continue
+                    parts = name.split(".")
+                    for i in range(1, len(parts) + 1):
+                        if self.module_path(".".join(parts[:i])) is not None:
+                            found.add(".".join(parts[:i]))
+            found.discard(module)
+            self._imports[module] = frozenset(found)
+        return self._imports[module]
+
+    def loads(self, module: str, other: str) -> bool:
+        """Whether loading ``module`` may load ``other`` on the way, through top-level imports
+        (the packages above ``module`` are loaded before it and do not count)."""
+        parts = module.split(".")
+        loaded = {".".join(parts[:i]) for i in range(1, len(parts))}
+        seen, todo = set(), [module]
+        while todo:
+            for name in self.imports(todo.pop()):
+                if name == other:
+                    return True
+                if name not in seen and name not in loaded:
+                    seen.add(name)
+                    todo.append(name)
+        return False
 
     def split(self, dotted: str) -> tuple[str, str, list[str]]:
         """``pkg.mod.Class.attr`` -> (module, its file, ``[Class, attr]``); the longest prefix
@@ -112,10 +158,38 @@ def bound_names(stmt: ast.stmt) -> list[str]:
     return []
 
 
+def _top_level_imports(body: list[ast.stmt], package: str) -> list[str]:
+    """Dotted names the statements import when the module loads (``from a import b``: ``a`` and
+    ``a.b``, which may be a module)."""
+    names: list[str] = []
+    for stmt in body:
+        if isinstance(stmt, ast.Import):
+            names += [alias.name for alias in stmt.names]
+        elif isinstance(stmt, ast.ImportFrom):
+            base = stmt.module or ""
+            if stmt.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (stmt.level - 1)]
+                base = ".".join(parts + ([stmt.module] if stmt.module else []))
+            names.append(base)
+            names += [f"{base}.{alias.name}" for alias in stmt.names if alias.name != "*"]
+        elif isinstance(stmt, ast.If):
+            checking = "TYPE_CHECKING" in ast.unparse(stmt.test)
+            names += _top_level_imports(([] if checking else stmt.body) + stmt.orelse, package)
+        elif isinstance(stmt, ast.Try):
+            inner = stmt.body + stmt.orelse + stmt.finalbody
+            for handler in stmt.handlers:
+                inner += handler.body
+            names += _top_level_imports(inner, package)
+        elif isinstance(stmt, ast.With):
+            names += _top_level_imports(stmt.body, package)
+    return names
+
+
 def find_symbol(tree_: SourceTree, dotted: str) -> Symbol:
     """Locate ``dotted`` in the source tree; :class:`ExportRefused` names it when it is gone."""
     module, relative, path = tree_.split(dotted)
-    tree = ast.parse(tree_.read(relative))
+    tree = tree_.parse(relative)
     first = top_level_bindings(tree).get(path[0])
     if first is None:
         raise ExportRefused(f"{dotted}: {module} no longer defines {path[0]!r}")

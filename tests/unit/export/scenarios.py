@@ -4,8 +4,9 @@
 Usage: ``python -m tests.unit.export.scenarios OUT.json`` (from the repository root).
 What is observed goes through upstream's symbols only, never the fork's feature modules: the
 ``--dry-run`` rule outcomes, the classes megatron's model builder, FSDP adapter and training loop
-use, the bookkeeping of the FSDP hooks by the installed FSDP class, and the schedule plan that the
-model builder's GPTModel builds with the P2P-overlap flags.
+use, the bookkeeping of the FSDP hooks by the installed FSDP class, the schedule plan that the
+model builder's GPTModel builds with the P2P-overlap flags, and what megatron's TEGroupedMLP
+computes over the spec provider's grouped-GEMM linears with the token counts on the device.
 """
 
 from __future__ import annotations
@@ -66,6 +67,47 @@ DRY_RUNS = {
         4,
     ),
 }
+GROUPED_MM = ["--moe-grouped-gemm-impl", "torch"]
+FULL_ITERATION = [
+    "--moe-expert-splits-on-device",
+    "--moe-permute-fusion",
+    "--cuda-graph-impl",
+    "full_iteration",
+    "--cuda-graph-warmup-steps",
+    "2",
+    "--no-check-for-nan-in-loss-and-grad",
+]
+# grouped_mm's flags that pass its rules are not among them: an exported megatron installs the
+# grouped-GEMM linears at the end of validate_args, which refuses without TransformerEngine (not
+# installed on the CPU), while the overlay's --dry-run checks the rules without installing them.
+DRY_RUNS.update(
+    {
+        "grouped_mm_requirements": (
+            GROUPED_MM
+            + ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "0"]
+            + ["--use-transformer-engine-op-fuser"],
+            1,
+        ),
+        "grouped_mm_alignment": (GROUPED_MM + ["--moe-ffn-hidden-size", "500"], 1),
+        "splits_without_grouped_mm": (
+            ["--moe-expert-splits-on-device", "--expert-model-parallel-size", "2"],
+            2,
+        ),
+        "full_iteration_timers": (
+            GROUPED_MM + FULL_ITERATION + ["--timing-log-level", "1"],
+            1,
+        ),
+        "full_iteration_dropless": (
+            ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"],
+            1,
+        ),
+    }
+)
+GROUPED_MM_PATCHES = (
+    "experts.grouped_mm_fc1",
+    "experts.grouped_mm_fc2",
+    "experts.splits_on_device_grouped_mlp",
+)
 # megatron's failure message adds "(--flag)" after config field names it recognises
 _FIELD_FLAG = re.compile(r"(\b\w+_\w+\b) \((--[a-z0-9-]+)\)")
 
@@ -214,6 +256,101 @@ def p2p_schedule_plan() -> dict:
     }
 
 
+def grouped_mm_experts() -> dict:
+    """Megatron's TEGroupedMLP over the grouped-GEMM linears that the spec provider hands out (TE's
+    grouped linear replaced by the fake of the feature's unit tests: TE is not installed), called
+    with a token-count tensor through the TEGroupedMLP.forward patch; on an exported tree the
+    fork's shared definitions are the same objects in every module that uses them. ``tolist`` of
+    a tensor raises meanwhile: the counts reach the GEMMs without a host list."""
+    import hashlib
+    from types import SimpleNamespace
+
+    import megatron.core.extensions.transformer_engine_spec_provider as spec
+    import megatron.core.transformer.moe.experts as experts
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.patchset.core import features
+    from megatron.patchset.core.provided import provided_features
+    from tests.unit.features.grouped_mm.conftest import IN, OUT, FakeTEGroupedLinear, rows
+
+    spec.TEColumnParallelGroupedLinear = spec.TERowParallelGroupedLinear = FakeTEGroupedLinear
+    if "grouped_mm" in provided_features():
+        import megatron.core.transformer.moe.token_dispatcher as dispatcher
+        import megatron.training.arguments as arguments
+
+        assert spec.GroupedMMForward is experts.GroupedMMForward
+        assert arguments.FLAG is spec.FLAG is experts.FLAG
+        assert arguments.SPLITS_FLAG is experts.SPLITS_FLAG is dispatcher.SPLITS_FLAG
+        assert arguments.ALIGNMENT is experts.ALIGNMENT
+        for name in ("DeviceSplits", "grouped_mm", "group_offsets", "_offsets_cache"):
+            assert not hasattr(spec, name) and not hasattr(dispatcher, name), name
+        spec._enable_experts_grouped_mm_fc1()
+        spec._enable_experts_grouped_mm_fc2()
+        experts._enable_experts_splits_on_device_grouped_mlp()
+        offsets_cache = experts._offsets_cache
+    else:
+        from megatron.patchset.features.grouped_mm import linears
+
+        features.load()
+        registry.apply_patches([registry.get(name) for name in GROUPED_MM_PATCHES])
+        offsets_cache = linears._offsets_cache
+
+    splits = [3, 0, 6, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=IN,
+            num_attention_heads=4,
+            num_moe_experts=len(splits),
+            moe_ffn_hidden_size=OUT,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            bias_activation_fusion=False,
+            moe_grouped_gemm=True,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+        )
+    submodules = experts.GroupedMLPSubmodules(
+        linear_fc1=spec.TEColumnParallelGroupedLinear, linear_fc2=spec.TERowParallelGroupedLinear
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        mlp = experts.TEGroupedMLP(
+            len(splits), config, submodules, pg_collection=SimpleNamespace(ep=None, expt_tp=None)
+        )
+    x = rows(sum(splits), IN).requires_grad_(True)
+    probs = torch.rand(sum(splits), generator=torch.Generator().manual_seed(3))
+    host_list = torch.Tensor.tolist
+
+    def refuse(self):
+        raise AssertionError("tokens_per_expert.tolist() called")
+
+    torch.Tensor.tolist = refuse
+    try:
+        out, bias = mlp(x, torch.tensor(splits), probs)
+        out.float().square().sum().backward()
+    finally:
+        torch.Tensor.tolist = host_list
+
+    def digest(t) -> str:
+        return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy()).hexdigest()
+
+    weights = [p for _, p in sorted(mlp.named_parameters())]
+    return {
+        "linears": [
+            [c.__name__ for c in type(m).__mro__[:3]] for m in (mlp.linear_fc1, mlp.linear_fc2)
+        ],
+        "bias": bias,
+        "offsets_cache": len(offsets_cache),
+        "output": digest(out),
+        "input_grad": digest(x.grad),
+        "weight_grads": [digest(p.grad) for p in weights],
+    }
+
+
 def main() -> None:
     from megatron.patchset.core.provided import provided_features
 
@@ -221,6 +358,7 @@ def main() -> None:
     observed = {"dry_run": {name: dry_run(*case) for name, case in DRY_RUNS.items()}}
     observed["fsdp_cuda_graphs"] = fsdp_graph_classes()
     observed["p2p_overlap"] = p2p_schedule_plan()
+    observed["grouped_mm"] = grouped_mm_experts()
     result = {"provided": sorted(provided_features()), "observed": observed}
     with open(path, "w") as handle:
         json.dump(result, handle, sort_keys=True)

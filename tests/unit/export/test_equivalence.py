@@ -2,7 +2,8 @@
 megatron-core 0.19.2's own source, run with the overlay's feature patches off
 (``MEGATRON_PATCHSET=off``) and that tree first on ``PYTHONPATH``, gives the same ``--dry-run``
 rule outcomes (the same rules fire, naming the same flags), the same classes under each patched
-upstream name, the same FSDP hook bookkeeping and the same schedule plan
+upstream name, the same FSDP hook bookkeeping, the same schedule plan and bit-identical outputs
+and gradients of megatron's TEGroupedMLP over the grouped-GEMM linears
 (:mod:`tests.unit.export.scenarios`)."""
 
 import json
@@ -56,7 +57,7 @@ def test_the_exported_run_uses_the_exported_tree(both):
     assert upstream["provided"] == sorted(result.exported)
 
 
-@pytest.mark.parametrize("part", ["dry_run", "fsdp_cuda_graphs", "p2p_overlap"])
+@pytest.mark.parametrize("part", ["dry_run", "fsdp_cuda_graphs", "p2p_overlap", "grouped_mm"])
 def test_exported_tree_matches_the_overlay(both, part):
     overlay, upstream, _ = both
     assert upstream["observed"][part] == overlay["observed"][part]
@@ -82,3 +83,20 @@ def test_the_scenarios_exercise_the_features(both):
     p2p = observed["p2p_overlap"]
     assert p2p["plan"][0] == "P2POverlapChunkSchedulePlan" and p2p["layer_run"] == "run_layer"
     assert p2p["options"]["overlap_p2p_with_transformer_layer_wgrad"] is True
+    assert set(runs["grouped_mm_requirements"]["rules"]) == {
+        "moe-grouped-gemm-impl-torch-requirements",
+        "full-iteration-graphs-dropless-moe",
+    }
+    assert list(runs["grouped_mm_alignment"]["rules"]) == ["moe-grouped-gemm-impl-torch-alignment"]
+    assert list(runs["splits_without_grouped_mm"]["rules"]) == [
+        "moe-expert-splits-on-device-requirements"
+    ]
+    assert list(runs["full_iteration_timers"]["rules"]) == ["full-iteration-graphs-timers"]
+    assert list(runs["full_iteration_dropless"]["rules"]) == ["full-iteration-graphs-dropless-moe"]
+    experts = observed["grouped_mm"]
+    assert experts["linears"][0] == [
+        "GroupedMMColumnParallelGroupedLinear",
+        "GroupedMMForward",
+        "FakeTEGroupedLinear",
+    ]
+    assert experts["offsets_cache"] == 0 and len(experts["weight_grads"]) == 8

@@ -1,5 +1,6 @@
 """``python -m megatron.patchset export``: what it writes, what it refuses, idempotence."""
 
+import ast
 import filecmp
 import os
 import re
@@ -10,10 +11,16 @@ import sys
 import pytest
 
 from megatron.patchset.core import features
-from megatron.patchset.core.provided import BEGIN, features_in
+from megatron.patchset.core.provided import BEGIN, END, features_in
 from megatron.patchset.export import export
 from megatron.patchset.export.plan import exportability, recorded_digests
-from megatron.patchset.export.source import ExportRefused, SourceTree, digest, find_symbol
+from megatron.patchset.export.source import (
+    ExportRefused,
+    SourceTree,
+    bound_names,
+    digest,
+    find_symbol,
+)
 from tests.unit.export.conftest import installed_source
 
 EXPORTABLE = [f.name for f in features.load() if exportability(f) is None]
@@ -42,7 +49,7 @@ def _files(folder):
 
 
 def test_the_features_meant_for_upstream_are_exportable():
-    assert {"p2p_overlap", "fsdp_cuda_graphs"} <= set(EXPORTABLE)
+    assert {"p2p_overlap", "fsdp_cuda_graphs", "grouped_mm"} <= set(EXPORTABLE)
     for feature in features.load():
         if not feature.upstream_pr.exportable:
             assert exportability(feature).startswith("fork-only")
@@ -80,6 +87,37 @@ def test_export_edits_upstreams_files_and_writes_one_patch_per_feature(exported)
             text = handle.read()
         assert not re.search(r"megatron\.patchset|megatron/patchset", text), relative
     assert not os.path.exists(os.path.join(out, "megatron", "patchset"))
+
+
+def _definitions(text: str, feature: str) -> set[str]:
+    """Names the feature's module-level region of ``text`` defines (imports left out)."""
+    found = set()
+    for region in re.findall(
+        rf"^{re.escape(BEGIN + feature)}\n(.*?)^{re.escape(END + feature)}$", text, re.M | re.S
+    ):
+        for stmt in ast.parse(region).body:
+            if not isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                found.update(bound_names(stmt))
+    return found
+
+
+def test_each_fork_definition_is_exported_once(exported):
+    """A definition that several edited modules use lives in one of them; the others import it
+    (one class, one cache, whichever module uses it)."""
+    out, result = exported
+    for feature in result.exported:
+        where: dict[str, list[str]] = {}
+        for relative in result.files:
+            with open(os.path.join(out, relative)) as handle:
+                for name in _definitions(handle.read(), feature):
+                    where.setdefault(name, []).append(relative)
+        assert {n: f for n, f in where.items() if len(f) > 1} == {}, feature
+    with open(
+        os.path.join(out, "megatron/core/extensions/transformer_engine_spec_provider.py")
+    ) as f:
+        spec = f.read()
+    assert "GroupedMMForward" not in _definitions(spec, "grouped_mm")
+    assert "from megatron.core.transformer.moe.experts import FLAG, GroupedMMForward\n" in spec
 
 
 def test_patch_files_name_the_pr_and_apply_to_the_pristine_source(exported, tmp_path):

@@ -20,7 +20,7 @@ FEATURE = Feature(
     title="Experts as torch grouped GEMMs; full-iteration graphs of a dropless MoE step",
     switches=(f"{flags.FLAG} torch",),
     enabled=flags.requested,
-    upstream_pr="fork-only (megatron-core 0.19.2 uses torch grouped_mm for inference only: "
+    upstream_pr="proposed (megatron-core 0.19.2 uses torch grouped_mm for inference only: "
     "InferenceGroupedMLP)",
     status="not yet verified on 2 GPUs",
     modules=(f"{__name__}.rules", f"{__name__}.linears", f"{__name__}.device_splits"),

@@ -17,7 +17,7 @@ from megatron.patchset.features.grouped_mm.linears import DeviceSplits, GroupedM
 _TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 _EXPERTS = "megatron.core.transformer.moe.experts"
 _SPLITS_UPSTREAM_PR = (
-    "fork-only (megatron-core 0.19.2 always copies the token counts to the host for TE's grouped "
+    "proposed (megatron-core 0.19.2 always copies the token counts to the host for TE's grouped "
     "linear)"
 )
 _SPLITS_REASON = (

@@ -394,12 +394,19 @@ def grouped_mm_linear(original: type | None, role: str) -> type:
 
 
 # The names TESpecProvider.grouped_mlp_modules looks up when it builds the experts' spec.
-for _linear, _name, _role in (
-    ("fc1", "TEColumnParallelGroupedLinear", "Column"),
-    ("fc2", "TERowParallelGroupedLinear", "Row"),
-):
-    patch(
-        f"experts.grouped_mm_{_linear}",
-        f"{_SPEC_PROVIDER}.{_name}",
-        reason=f"{_REASON} ({_linear})",
-    )(functools.partial(grouped_mm_linear, role=_role))
+@patch(
+    "experts.grouped_mm_fc1",
+    f"{_SPEC_PROVIDER}.TEColumnParallelGroupedLinear",
+    reason=f"{_REASON} (fc1)",
+)
+def column_parallel_grouped_mm(original):
+    return grouped_mm_linear(original, "Column")
+
+
+@patch(
+    "experts.grouped_mm_fc2",
+    f"{_SPEC_PROVIDER}.TERowParallelGroupedLinear",
+    reason=f"{_REASON} (fc2)",
+)
+def row_parallel_grouped_mm(original):
+    return grouped_mm_linear(original, "Row")
