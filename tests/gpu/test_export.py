@@ -67,7 +67,13 @@ def _installed_source() -> str:
 def runs(tmp_path_factory):
     tree = str(tmp_path_factory.mktemp("exported"))
     result = export(_installed_source(), tree)
-    upstream_env = {"PYTHONPATH": tree, "MEGATRON_PATCHSET": "off"}
+    # The tree goes first; what the environment already has on the path (TransformerEngine and
+    # megatron-core's other dependencies, wherever they are installed) stays behind it.
+    inherited = os.environ.get("PYTHONPATH", "")
+    upstream_env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [tree, inherited])),
+        "MEGATRON_PATCHSET": "off",
+    }
     provided = subprocess.run(
         [
             sys.executable,
@@ -75,7 +81,11 @@ def runs(tmp_path_factory):
             "from megatron.patchset.core.provided import provided_features as p;"
             "print(','.join(sorted(p())))",
         ],
-        env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + tree, "MEGATRON_PATCHSET": "off"},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, tree, inherited])),
+            "MEGATRON_PATCHSET": "off",
+        },
         capture_output=True,
         text=True,
         check=True,

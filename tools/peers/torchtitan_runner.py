@@ -101,9 +101,9 @@ def runner_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tt-loss-chunks",
         type=int,
-        default=8,
+        default=0,
         help="chunks of torchtitan's chunked cross-entropy (the output layer and loss run per "
-        "sequence chunk); 0: the whole output layer, then torchtitan's cross-entropy. Default: 8",
+        "sequence chunk); 0: the whole output layer, then torchtitan's cross-entropy. Default: 0",
     )
     p.add_argument(
         "--tt-optimizer-impl",
@@ -115,6 +115,12 @@ def runner_parser() -> argparse.ArgumentParser:
         "--tt-spmd-backend",
         default=None,
         help="torchtitan's parallelism.spmd_backend. Default: torchtitan's default",
+    )
+    p.add_argument(
+        "--tt-fsdp-reshard",
+        choices=("default", "always", "never"),
+        default=None,
+        help="torchtitan's parallelism.fsdp_reshard_after_forward. Default: torchtitan's default",
     )
     return p
 
@@ -131,6 +137,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
         "--tt-loss-chunks",
         "--tt-optimizer-impl",
         "--tt-spmd-backend",
+        "--tt-fsdp-reshard",
     }
     i = 0
     while i < len(argv):
@@ -375,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parallelism_kwargs = {"expert_parallel_degree": ep}
     if opts.tt_spmd_backend:
         parallelism_kwargs["spmd_backend"] = opts.tt_spmd_backend
+    if opts.tt_fsdp_reshard:
+        parallelism_kwargs["fsdp_reshard_after_forward"] = opts.tt_fsdp_reshard
     parallelism = ParallelismConfig(**parallelism_kwargs)
     training = TrainingConfig(
         local_batch_size=shape.micro_batch_size,
@@ -476,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         .contiguous()
     )
     global_valid_tokens = torch.tensor(shape.tokens_per_iteration, dtype=torch.int64, device=device)
+    # The positions are the same every step (one sequence, no document resets, as megatron's
+    # default), so is the mask: built once, which torchtitan's CUDA graphs require.
+    attention_masks = model.get_attention_masks(positions=positions)
     loss_mesh = parallel_dims.get_optional_mesh("loss") if parallel_dims.dp_cp_enabled else None
     path = metrics_path()
     recorder = MetricsRecorder(path) if path else None
@@ -513,10 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             x, y = next(tokens)
             inputs = torch.from_numpy(x).to(device, non_blocking=True)
             labels = torch.from_numpy(y).to(device, non_blocking=True)
-            extra = {
-                "positions": positions,
-                "attention_masks": model.get_attention_masks(positions=positions),
-            }
+            extra = {"positions": positions, "attention_masks": attention_masks}
             loss = step_fn(inputs, labels, global_valid_tokens, extra).detach()
             # a replayed graph overwrites its output: keep a copy
             accumulated = loss.clone() if accumulated is None else accumulated.add_(loss)
