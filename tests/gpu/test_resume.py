@@ -1,10 +1,11 @@
 """A resumed run continues exactly: 20 iterations in one go against ``--exit-interval 10 --save``
 and a second launch with ``--load``; iterations 11-20 have the same losses and gradient norms to
 the last bit (``--deterministic-mode``), through pretrain_gpt.py on one GPU. For plain training,
-the full-iteration CUDA-graph recipe (experts as grouped GEMMs, token counts on the GPU), Megatron-
-FSDP with TE per-layer graphs, and per-layer torch.compile; the offload API's harness saves after
-an offload/reload cycle and reloads right after loading. All runs of a stage start at once (they
-share the GPU): this checks numerics, not time."""
+the full-iteration CUDA-graph recipe (experts as grouped GEMMs, token counts on the GPU), that
+recipe with torch's fused Adam captured too (``--adam-impl torch --optimizer-cuda-graph``),
+Megatron-FSDP with TE per-layer graphs, and per-layer torch.compile; the offload API's harness
+saves after an offload/reload cycle and reloads right after loading. All runs of a stage start at
+once (they share the GPU): this checks numerics, not time."""
 
 import os
 
@@ -38,6 +39,23 @@ RECIPES = {
             "full_iteration",
             "--cuda-graph-warmup-steps",
             "2",
+        ),
+        {},
+    ),
+    "full_iteration_torch_adam_graph": (
+        (
+            "--moe-grouped-gemm-impl",
+            "torch",
+            "--moe-expert-splits-on-device",
+            "--moe-permute-fusion",
+            "--no-check-for-nan-in-loss-and-grad",
+            "--cuda-graph-impl",
+            "full_iteration",
+            "--cuda-graph-warmup-steps",
+            "2",
+            "--optimizer-cuda-graph",
+            "--adam-impl",
+            "torch",
         ),
         {},
     ),

@@ -12,5 +12,6 @@ ORDER = (
     "paged_stash",
     "grouped_mm",
     "static_dispatch",
+    "torch_adam",
     "offload",
 )

@@ -1,0 +1,22 @@
+"""megatron-core's Adam as torch's fused AdamW (docs/features/torch_adam.md).
+
+``--adam-impl torch`` rebinds the Adam class megatron-core builds its optimizer from
+(:mod:`.optimizer`); megatron's mixed-precision optimizer around it (fp32 main parameters and
+gradients, clipping, the copy back to bf16, checkpoints) stays upstream's.
+"""
+
+from megatron.patchset.core.features import Feature
+from megatron.patchset.features.torch_adam import flags
+
+FEATURE = Feature(
+    name="torch_adam",
+    title="Adam as torch's fused AdamW (capturable under --optimizer-cuda-graph)",
+    switches=(f"{flags.FLAG} torch",),
+    enabled=flags.requested,
+    upstream_pr="proposed (megatron-core 0.19.2 takes torch's AdamW only when neither "
+    "TransformerEngine nor apex is installed)",
+    status="not yet verified on 2 GPUs",
+    modules=(f"{__name__}.rules", f"{__name__}.optimizer"),
+    flags=(flags.FLAG,),
+    add_arguments=flags.add_arguments,
+)

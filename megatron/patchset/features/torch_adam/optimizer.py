@@ -1,0 +1,75 @@
+"""``--adam-impl torch``: megatron-core's Adam as ``torch.optim.AdamW`` / ``Adam`` with
+``fused=True``.
+
+megatron-core 0.19.2 builds its Adam from the name ``megatron.core.optimizer.Adam``, TE's FusedAdam
+whenever TransformerEngine is installed, with ``params``, ``lr``, ``weight_decay``, ``betas``,
+``eps``, ``capturable`` (``--optimizer-cuda-graph``) and ``adam_w_mode``
+(``--decoupled-weight-decay``). The patch rebinds that name to a factory that takes the same
+arguments and builds torch's fused optimizer instead. Under ``--optimizer-cuda-graph`` it is
+capturable and each parameter group's learning rate becomes a 0-d fp32 tensor on the parameters'
+device, which megatron's ``OptimizerParamScheduler`` fills in place, so the replayed step follows
+the schedule. Arguments only TE's FusedAdam has (those of ``--use-precision-aware-optimizer``) are
+refused by the feature's rule and, if they arrive anyway, by the factory.
+"""
+
+from __future__ import annotations
+
+from megatron.patchset.core.errors import PatchsetError
+from megatron.patchset.core.registry import patch
+from megatron.patchset.features.torch_adam.flags import FLAG
+
+
+def build_adam(
+    params,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    capturable: bool = False,
+    adam_w_mode: bool = True,
+    **unsupported,
+):
+    """torch's fused Adam (AdamW when ``adam_w_mode``) from megatron-core's Adam arguments."""
+    import torch
+
+    if unsupported:
+        raise PatchsetError(
+            f"{FLAG} torch: megatron-core asked its Adam for {', '.join(sorted(unsupported))}, "
+            f"which only TransformerEngine's FusedAdam takes; drop {FLAG} torch or the flags "
+            "that ask for them (--use-precision-aware-optimizer)"
+        )
+    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    optimizer = cls(
+        params,
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        fused=True,
+        capturable=capturable,
+    )
+    if capturable:
+        for group in optimizer.param_groups:
+            if group["params"] and not isinstance(group["lr"], torch.Tensor):
+                device = group["params"][0].device
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        count = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+        print(
+            f"megatron-patchset: Adam is torch.optim.{cls.__name__} (fused"
+            f"{', capturable' if capturable else ''}) over {count:,} parameters in "
+            f"{len(optimizer.param_groups)} groups",
+            flush=True,
+        )
+    return optimizer
+
+
+@patch(
+    "optimizer.torch_fused_adam",
+    "megatron.core.optimizer.Adam",
+    reason="megatron-core takes TE's FusedAdam whenever TransformerEngine is installed; on "
+    "Hopper torch's fused AdamW is the faster kernel, most of all captured "
+    "(--optimizer-cuda-graph), where TE's capturable kernel is slower than its eager one",
+)
+def torch_fused_adam(original):
+    return build_adam

@@ -1,0 +1,153 @@
+"""--adam-impl torch on one GPU.
+
+* The kernel: a captured step of torch's capturable fused AdamW, its learning rate changed between
+  replays through the tensor the scheduler fills, equals the eager fused AdamW given the same
+  learning rates, and TE's FusedAdam within fp32 rounding.
+* Training (the full-iteration recipe: experts as grouped GEMMs, token counts on the GPU): with
+  torch's Adam the run trains like TE's FusedAdam, and with the optimizer captured too
+  (``--optimizer-cuda-graph``) like its eager self.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.gpu.conftest import launch_many, tiny_argv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
+
+ITERS = 20
+RECIPE = (
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--moe-grouped-gemm-impl",
+    "torch",
+    "--moe-permute-fusion",
+    "--moe-expert-splits-on-device",
+    "--no-check-for-nan-in-loss-and-grad",
+    "--deterministic-mode",
+    "--te-rng-tracker",
+)
+GRAPHS = (
+    "--cuda-graph-impl",
+    "full_iteration",
+    "--cuda-graph-warmup-steps",
+    "2",
+    "--optimizer-cuda-graph",
+    "--logging-level",
+    "20",
+)
+TORCH = ("--adam-impl", "torch")
+ANNOUNCED = "megatron-patchset: Adam is torch.optim.AdamW (fused"
+LOSS_ATOL = 2e-2
+GRAD_NORM_RTOL = 5e-2
+
+
+def _params(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(256, 128), (4096,), (3, 64, 32)]
+    ps = [torch.randn(s, generator=gen, device="cuda") * 0.02 for s in shapes]
+    grads = [
+        [torch.randn(s, generator=gen, device="cuda") * 1e-2 for s in shapes] for _ in range(6)
+    ]
+    return ps, grads
+
+
+def test_captured_step_follows_the_learning_rate_and_equals_eager():
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    from megatron.patchset.features.torch_adam.optimizer import build_adam
+
+    kw = dict(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    lrs = [1e-3, 5e-4, 2e-3, 1e-4, 3e-3, 7e-4]
+    start, grads = _params(0)
+    captured = [torch.nn.Parameter(p.clone()) for p in start]
+    eager = [torch.nn.Parameter(p.clone()) for p in start]
+    te = [torch.nn.Parameter(p.clone()) for p in start]
+    opt = build_adam(captured, lr=lrs[0], capturable=True, adam_w_mode=True, **kw)
+    ref = torch.optim.AdamW(eager, lr=lrs[0], fused=True, **kw)
+    te_opt = FusedAdam(te, lr=lrs[0], adam_w_mode=True, **kw)
+    lr_tensor = opt.param_groups[0]["lr"]
+    assert isinstance(lr_tensor, torch.Tensor) and lr_tensor.is_cuda
+    static = [torch.zeros_like(p) for p in captured]
+    for p, g in zip(captured, static):
+        p.grad = g
+    # first step eager (it creates the state), then capture one step and replay it
+    for g, s in zip(grads[0], static):
+        s.copy_(g)
+    opt.step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    for step, lr in enumerate(lrs):
+        for group in ref.param_groups + te_opt.param_groups:
+            group["lr"] = lr
+        for p, q, g in zip(eager, te, grads[step]):
+            p.grad, q.grad = g.clone(), g.clone()
+        ref.step()
+        te_opt.step()
+        if step:
+            lr_tensor.fill_(lr)
+            for g, s in zip(grads[step], static):
+                s.copy_(g)
+            graph.replay()
+    torch.cuda.synchronize()
+    for a, b, c in zip(captured, eager, te):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    moved = max((a - s).abs().max().item() for a, s in zip(captured, start))
+    assert moved > 1e-4  # six steps at these rates move the weights
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("torch_adam")
+    variants = {
+        "te_eager": RECIPE,
+        "torch_eager": RECIPE + TORCH,
+        "torch_graphs": RECIPE + TORCH + GRAPHS,
+    }
+    return launch_many(
+        [
+            dict(tmp_path=tmp, name=n, nproc=1, argv=tiny_argv("--train-iters", str(ITERS), *f))
+            for n, f in variants.items()
+        ]
+    )
+
+
+def close(ours, reference, label):
+    assert len(ours.losses) == len(reference.losses) == ITERS
+    assert all(math.isfinite(x) for x in ours.losses)
+    loss_diff = [abs(a - b) for a, b in zip(ours.losses, reference.losses)]
+    norm_diff = [abs(a - b) / b for a, b in zip(ours.grad_norms, reference.grad_norms)]
+    print(
+        f"\n{label}: max |loss diff| {max(loss_diff):.5f}, max grad-norm rel diff "
+        f"{max(norm_diff):.4f}; loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}"
+    )
+    assert max(loss_diff) < LOSS_ATOL
+    assert max(norm_diff) < GRAD_NORM_RTOL
+    assert ours.losses[-1] < ours.losses[0] - 2.0
+
+
+def test_torch_adam_trains_like_te_fused_adam(runs):
+    assert ANNOUNCED in runs["torch_eager"].log_text()
+    assert ANNOUNCED not in runs["te_eager"].log_text()
+    close(runs["torch_eager"], runs["te_eager"], "torch fused AdamW vs TE FusedAdam, eager")
+
+
+def test_captured_torch_adam_trains_like_eager(runs):
+    log = runs["torch_graphs"].log_text()
+    assert "megatron-patchset: Adam is torch.optim.AdamW (fused, capturable)" in log
+    assert "Optimizer CUDA graph capture done" in log
+    close(
+        runs["torch_graphs"],
+        runs["torch_eager"],
+        "torch AdamW, full-iteration + optimizer graphs vs eager",
+    )
