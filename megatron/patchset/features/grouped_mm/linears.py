@@ -24,10 +24,8 @@ The GEMMs (per linear, ``W_e`` of shape ``(out, in)``, rows of ``x`` grouped by 
 * weight gradient ``dW = grouped_mm(dy.T, x, offs)``, shape ``(experts, out, in)``. For weights
   that megatron's DDP manages (they carry ``main_grad`` and ``grad_added_to_main_grad``) it goes
   straight into each ``main_grad`` (one add over the layer's experts where DDP's buffer holds their
-  main
-  grads back to back -- one add per expert while a CUDA graph is captured, which saves a reversed
-  copy
-  of the gradient -- else one ``_foreach_add_``; fp32 from the GEMM where the device
+  main grads back to back -- one add per expert while a CUDA graph is captured, which saves a
+  reversed copy of the gradient -- else one ``_foreach_add_``; fp32 from the GEMM where the device
   supports it) under the contract TE uses for its fused accumulation: ``overwrite_main_grad``
   copies instead of adding, ``grad_added_to_main_grad`` is set and a dummy gradient is returned so
   that DDP's per-parameter hook still fires (and skips its own add). This needs no apex kernel, so
@@ -244,10 +242,8 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
             view, descending = stacked
             if descending and capturing(dw.device):
                 # Inside a CUDA graph the host cost of a launch is gone at replay (a kernel node
-                # costs
-                # about a microsecond): an add per expert (bf16 promoted to fp32 on the fly) saves
-                # the
-                # reversed copy of dw that the one add needs.
+                # costs about a microsecond): an add per expert (bf16 promoted to fp32 on the fly)
+                # saves the reversed copy of dw that the one add needs.
                 for main_grad, part in zip(main_grads, dw.unbind(0)):
                     main_grad.copy_(part) if overwrite else main_grad.add_(part)
             else:  # one kernel; the add promotes bf16 to the buffer's fp32 on the fly
@@ -255,8 +251,7 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
                 view.copy_(source) if overwrite else view.add_(source)
         else:
             # The foreach kernels take one dtype: with a bf16 dw and fp32 main grads they fall back
-            # to a
-            # launch per expert. One cast keeps them on the multi-tensor path.
+            # to a launch per expert. One cast keeps them on the multi-tensor path.
             parts = list(dw.to(main_grads[0].dtype).unbind(0))
             torch._foreach_copy_(main_grads, parts) if overwrite else torch._foreach_add_(
                 main_grads, parts

@@ -174,8 +174,8 @@ _REPORT = OverflowReport()
 def _wrap_check_overflow(original):
     @functools.wraps(original)
     def check_moe_overflow(self, *args, **kwargs):
-        # DeferredResultChecks already all-reduced this attempt's flags: use them, no second
-        # collective
+        # DeferredResultChecks already all-reduced this attempt's flags: use them (no second
+        # collective).
         cached = self.__dict__.pop(FLAGS_ATTR, None)
         result = cached if cached is not None else original(self, *args, **kwargs)
         try:
