@@ -203,3 +203,21 @@ def first_difference(a, b):
     if len(a) != len(b):
         return min(len(a), len(b)), len(a), len(b)
     return None
+
+
+def assert_trains_alike(ours, reference, label, *, iters, loss_atol=2e-2, grad_norm_rtol=5e-2):
+    """``ours`` trained ``iters`` finite iterations within ``loss_atol`` of ``reference``'s losses
+    and ``grad_norm_rtol`` of its gradient norms, and learned (its loss fell by more than 2)."""
+    import math
+
+    assert len(ours.losses) == len(reference.losses) == iters
+    assert all(math.isfinite(x) for x in ours.losses)
+    loss_diff = [abs(a - b) for a, b in zip(ours.losses, reference.losses)]
+    norm_diff = [abs(a - b) / b for a, b in zip(ours.grad_norms, reference.grad_norms)]
+    print(
+        f"\n{label}: max |loss diff| {max(loss_diff):.5f}, max grad-norm rel diff "
+        f"{max(norm_diff):.4f}; loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}"
+    )
+    assert max(loss_diff) < loss_atol
+    assert max(norm_diff) < grad_norm_rtol
+    assert ours.losses[-1] < ours.losses[0] - 2.0

@@ -11,11 +11,15 @@ graph replays the eager step bit for bit; a capacity factor that overflows re-ru
 dynamically (and the run still matches), or stops with the error that names the flag.
 """
 
-import math
-
 import pytest
 
-from tests.gpu.conftest import first_difference, gpu_count, launch_many, tiny_argv
+from tests.gpu.conftest import (
+    assert_trains_alike,
+    first_difference,
+    gpu_count,
+    launch_many,
+    tiny_argv,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -100,17 +104,9 @@ def bitwise(a, b, label):
 
 
 def close(ours, reference, label):
-    assert len(ours.losses) == len(reference.losses) == ITERS
-    assert all(math.isfinite(x) for x in ours.losses)
-    loss_diff = [abs(a - b) for a, b in zip(ours.losses, reference.losses)]
-    norm_diff = [abs(a - b) / b for a, b in zip(ours.grad_norms, reference.grad_norms)]
-    print(
-        f"\n{label}: max |loss diff| {max(loss_diff):.5f}, max grad-norm rel diff "
-        f"{max(norm_diff):.4f}; loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}"
+    assert_trains_alike(
+        ours, reference, label, iters=ITERS, loss_atol=LOSS_ATOL, grad_norm_rtol=GRAD_NORM_RTOL
     )
-    assert max(loss_diff) < LOSS_ATOL
-    assert max(norm_diff) < GRAD_NORM_RTOL
-    assert ours.losses[-1] < ours.losses[0] - 2.0
 
 
 @pytest.mark.gpus(1)
