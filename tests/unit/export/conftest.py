@@ -17,7 +17,7 @@ def installed_source() -> str:
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("exported")
     result = export(installed_source(), str(out))
