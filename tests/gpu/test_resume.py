@@ -26,37 +26,22 @@ NUMERICS = (
     "--train-iters",
     str(ITERS),
 )
+FULL_ITERATION = (
+    "--moe-grouped-gemm-impl",
+    "torch",
+    "--moe-expert-splits-on-device",
+    "--moe-permute-fusion",
+    "--no-check-for-nan-in-loss-and-grad",
+    "--cuda-graph-impl",
+    "full_iteration",
+    "--cuda-graph-warmup-steps",
+    "2",
+)
 RECIPES = {
     "plain": ((), {}),
-    "full_iteration": (
-        (
-            "--moe-grouped-gemm-impl",
-            "torch",
-            "--moe-expert-splits-on-device",
-            "--moe-permute-fusion",
-            "--no-check-for-nan-in-loss-and-grad",
-            "--cuda-graph-impl",
-            "full_iteration",
-            "--cuda-graph-warmup-steps",
-            "2",
-        ),
-        {},
-    ),
+    "full_iteration": (FULL_ITERATION, {}),
     "full_iteration_torch_adam_graph": (
-        (
-            "--moe-grouped-gemm-impl",
-            "torch",
-            "--moe-expert-splits-on-device",
-            "--moe-permute-fusion",
-            "--no-check-for-nan-in-loss-and-grad",
-            "--cuda-graph-impl",
-            "full_iteration",
-            "--cuda-graph-warmup-steps",
-            "2",
-            "--optimizer-cuda-graph",
-            "--adam-impl",
-            "torch",
-        ),
+        FULL_ITERATION + ("--optimizer-cuda-graph", "--adam-impl", "torch"),
         {},
     ),
     "fsdp_te_graphs": (
