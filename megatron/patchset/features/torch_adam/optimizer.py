@@ -72,4 +72,9 @@ def build_adam(
     "(--optimizer-cuda-graph), where TE's capturable kernel is slower than its eager one",
 )
 def torch_fused_adam(original):
-    return build_adam
+    # A function of its own per application: the registry marks the replacement (sentinel,
+    # ``__wrapped__``), which must not stick to the module-level build_adam after a revert.
+    def adam(*args, **kwargs):
+        return build_adam(*args, **kwargs)
+
+    return adam

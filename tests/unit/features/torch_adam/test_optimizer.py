@@ -96,3 +96,4 @@ def test_the_patch_replaces_megatron_cores_adam_only_when_asked():
     finally:
         registry.revert(applied)
     assert mcore_optimizer.Adam is original
+    assert not hasattr(build_adam, "__wrapped__")
