@@ -21,15 +21,22 @@ The GEMMs (per linear, ``W_e`` of shape ``(out, in)``, rows of ``x`` grouped by 
 * forward ``y = grouped_mm(x, stack(W).mT, offs)``; the stacked weights are not kept for backward
   (one layer's stack lives at a time; it is rebuilt in backward);
 * data gradient ``dx = grouped_mm(dy, stack(W), offs)``;
-* weight gradient ``dW = grouped_mm(dy.T, x, offs)``, shape ``(experts, out, in)``. For weights
-  that megatron's DDP manages (they carry ``main_grad`` and ``grad_added_to_main_grad``) it goes
-  straight into each ``main_grad`` (one add over the layer's experts where DDP's buffer holds their
-  main grads back to back -- one add per expert while a CUDA graph is captured, which saves a
-  reversed copy of the gradient -- else one ``_foreach_add_``; fp32 from the GEMM where the device
-  supports it) under the contract TE uses for its fused accumulation: ``overwrite_main_grad``
-  copies instead of adding, ``grad_added_to_main_grad`` is set and a dummy gradient is returned so
-  that DDP's per-parameter hook still fires (and skips its own add). This needs no apex kernel, so
-  it holds with ``--no-gradient-accumulation-fusion`` too; without DDP the gradients are returned.
+* weight gradient ``dW = grouped_mm(dy.T, x, offs)``, shape ``(experts, out, in)``: fp32 from the
+  GEMM where the device writes it (torch 2.11's grouped GEMM does not on Hopper: there it is bf16).
+
+For weights that megatron's DDP manages (they carry ``main_grad`` and ``grad_added_to_main_grad``)
+the weight gradient goes straight into the main grads, in as few passes as their layout allows:
+
+* back to back in expert order (one stacked view): one add;
+* back to back in reverse order, as DDP places them: in the main grads' dtype one
+  ``_foreach_add_``; bf16 into fp32 the one Triton kernel of :mod:`.accumulate` (without Triton:
+  one add per expert while a CUDA graph is captured, else a reversed copy and one add);
+* scattered: one ``_foreach_add_``, after one cast when the dtypes differ.
+
+This follows the contract TE uses for its fused accumulation: ``overwrite_main_grad`` copies
+instead of adding, ``grad_added_to_main_grad`` is set and a dummy gradient is returned so that
+DDP's per-parameter hook still fires (and skips its own add). It needs no apex kernel, so it holds
+with ``--no-gradient-accumulation-fusion`` too; without DDP the gradients are returned.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from typing import Any
 
 from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.core.registry import patch
+from megatron.patchset.features.grouped_mm import accumulate
 from megatron.patchset.features.grouped_mm.flags import ALIGNMENT, FLAG
 
 _SPEC_PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
@@ -238,9 +246,19 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
             dy.t(), x, offs=offs, out_dtype=_wgrad_out_dtype(main_grads[0].dtype, dy.device)
         )
         stacked = stacked_view(main_grads)
-        if stacked is not None:
+        same_dtype = dw.dtype == main_grads[0].dtype
+        if same_dtype and (stacked is None or stacked[1]):
+            # fp32 from the GEMM: the multi-tensor kernel takes the experts in any order, so the
+            # main grads lying in reverse need neither a reversed copy nor a launch per expert.
+            parts = list(dw.unbind(0))
+            torch._foreach_copy_(main_grads, parts) if overwrite else torch._foreach_add_(
+                main_grads, parts
+            )
+        elif stacked is not None:
             view, descending = stacked
-            if descending and capturing(dw.device):
+            if descending and accumulate.available(dw.device):
+                accumulate.add_reversed(view, dw, overwrite=overwrite)
+            elif descending and capturing(dw.device):
                 # Inside a CUDA graph the host cost of a launch is gone at replay (a kernel node
                 # costs about a microsecond): an add per expert (bf16 promoted to fp32 on the fly)
                 # saves the reversed copy of dw that the one add needs.

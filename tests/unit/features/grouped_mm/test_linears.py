@@ -351,3 +351,42 @@ def test_padded_device_splits_keep_the_rows_after_the_last_expert_zero(monkeypat
     for w, g in zip(weights, expected[2]):
         assert torch.equal(w.grad, g)
     assert "padded" in repr(splits)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_gradients_in_the_main_grads_dtype_take_one_foreach_in_reverse(descending, monkeypatch):
+    """A weight gradient already in the main grads' dtype (fp32 from the GEMM on the GPU; bf16 here)
+    goes in with one multi-tensor add when DDP's buffer holds the main grads in reverse order --
+    no reversed copy, no add per expert, captured or not -- and with one add over the view when
+    they lie in order."""
+    weights = expert_weights()
+    buffer = torch.full((len(weights), OUT, IN), 0.5, dtype=torch.bfloat16)
+    for i, w in enumerate(weights):
+        w.main_grad = buffer[len(weights) - 1 - i] if descending else buffer[i]
+        w.grad_added_to_main_grad = False
+    monkeypatch.setattr(linears, "capturing", lambda device: True)
+    seen, adds = [], []
+    add, tensor_add = torch._foreach_add_, torch.Tensor.add_
+
+    def record(selves, others):
+        seen.append((len(selves), {t.dtype for t in others}))
+        return add(selves, others)
+
+    def count(self, *args, **kwargs):
+        adds.append(tuple(self.shape))
+        return tensor_add(self, *args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("reversed copy made")
+
+    monkeypatch.setattr(torch, "_foreach_add_", record)
+    monkeypatch.setattr(torch.Tensor, "add_", count)
+    monkeypatch.setattr(torch.Tensor, "flip", refuse)
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    linears.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
+    if descending:
+        assert seen == [(len(weights), {torch.bfloat16})] and adds == []
+    else:
+        assert seen == [] and adds == [(len(weights), OUT, IN)]
+    for w, ref_dw in zip(weights, reference(x, SPLITS, weights, dy)[2]):
+        close(w.main_grad, ref_dw + 0.5)
