@@ -1,8 +1,10 @@
 """megatron-core's Adam as torch's fused AdamW (docs/features/torch_adam.md).
 
 ``--adam-impl torch`` rebinds the Adam class megatron-core builds its optimizer from
-(:mod:`.optimizer`); megatron's mixed-precision optimizer around it (fp32 main parameters and
-gradients, clipping, the copy back to bf16, checkpoints) stays upstream's.
+(:mod:`.optimizer`), lets that kernel apply megatron's gradient clipping as it reads the gradients
+(:mod:`.clipping`), and copies the fp32 main parameters back to bf16 in multi-tensor kernels
+(:mod:`.param_copy`); megatron's mixed-precision optimizer around them (fp32 main parameters and
+gradients, the gradient norm, checkpoints) stays upstream's.
 """
 
 from megatron.patchset.core.features import Feature
@@ -16,7 +18,12 @@ FEATURE = Feature(
     upstream_pr="proposed (megatron-core 0.19.2 takes torch's AdamW only when neither "
     "TransformerEngine nor apex is installed)",
     status="not yet verified on 2 GPUs",
-    modules=(f"{__name__}.rules", f"{__name__}.optimizer"),
+    modules=(
+        f"{__name__}.rules",
+        f"{__name__}.optimizer",
+        f"{__name__}.clipping",
+        f"{__name__}.param_copy",
+    ),
     flags=(flags.FLAG,),
     add_arguments=flags.add_arguments,
 )

@@ -8,15 +8,22 @@ whenever TransformerEngine is installed, with ``params``, ``lr``, ``weight_decay
 arguments and builds torch's fused optimizer instead. Under ``--optimizer-cuda-graph`` it is
 capturable and each parameter group's learning rate becomes a 0-d fp32 tensor on the parameters'
 device, which megatron's ``OptimizerParamScheduler`` fills in place, so the replayed step follows
-the schedule. Arguments only TE's FusedAdam has (those of ``--use-precision-aware-optimizer``) are
-refused by the feature's rule and, if they arrive anyway, by the factory.
+the schedule. The optimizer also takes megatron's gradient clipping into its kernel
+(:mod:`.clipping`). Arguments only TE's FusedAdam has (those of
+``--use-precision-aware-optimizer``) are refused by the feature's rule and, if they arrive anyway,
+by the factory.
 """
 
 from __future__ import annotations
 
 from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.core.registry import patch
+from megatron.patchset.features.torch_adam import clipping
 from megatron.patchset.features.torch_adam.flags import FLAG
+
+
+def _drop_grad_scale(optimizer, args, kwargs) -> None:
+    optimizer.grad_scale = None
 
 
 def build_adam(
@@ -48,6 +55,10 @@ def build_adam(
         fused=True,
         capturable=capturable,
     )
+    # --clip-grad: the clip scale reaches the fused kernel as its grad_scale (.clipping), set
+    # before each step and dropped after it.
+    clipping.register(optimizer)
+    optimizer.register_step_post_hook(_drop_grad_scale)
     if capturable:
         for group in optimizer.param_groups:
             if group["params"] and not isinstance(group["lr"], torch.Tensor):

@@ -1,5 +1,7 @@
 """--adam-impl torch on one GPU.
 
+* megatron-core's bf16 optimizer with the clip applied by the fused kernel and the foreach copy to
+  bf16 gives the update of megatron's own passes.
 * The kernel: a captured step of torch's capturable fused AdamW, its learning rate changed between
   replays through the tensor the scheduler fills, equals the eager fused AdamW given the same
   learning rates, and TE's FusedAdam within fp32 rounding.
@@ -141,3 +143,84 @@ def test_captured_torch_adam_trains_like_eager(runs):
         runs["torch_eager"],
         "torch AdamW, full-iteration + optimizer graphs vs eager",
     )
+
+
+@pytest.fixture
+def one_rank_group():
+    """megatron's gradient norm all-reduces over a process group: a one-rank NCCL group."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+def _megatron_optimizer(model_params, group):
+    from megatron.core.optimizer import Adam, OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    for p in model_params:  # not a tensor-parallel duplicate: counts towards the norm
+        set_tensor_model_parallel_attributes(p, True, 0, 1)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, bf16=True, clip_grad=1.0)
+    inner = Adam(
+        model_params, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, adam_w_mode=True
+    )
+    opt = Float16OptimizerWithFloat16Params(inner, config, None, lambda *a, **k: None)
+    opt.grad_stats_parallel_group = group
+    return opt
+
+
+def _train_megatrons_optimizer(patches, group, monkeypatch):
+    """Three steps of megatron's bf16 optimizer with ``patches`` applied, gradients well above
+    --clip-grad 1.0: (grad norms, bf16 parameters, fp32 main parameters, fused clips run)."""
+    from megatron.patchset.core import registry
+    from megatron.patchset.features.torch_adam import clipping
+
+    calls = []
+    real = clipping.clip_scale
+    monkeypatch.setattr(clipping, "clip_scale", lambda *a: calls.append(a) or real(*a))
+    start, grads = _params(3)
+    applied = registry.apply_patches(patches)
+    try:
+        model = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in start]
+        opt = _megatron_optimizer(model, group)
+        norms = []
+        for step_grads in grads[:3]:
+            for p, g in zip(model, step_grads):
+                p.grad = (g * 50).to(torch.bfloat16)
+            ok, norm, _ = opt.step()
+            assert ok
+            norms.append(float(norm))
+        main = [p.detach().clone() for g in opt.fp32_from_float16_groups for p in g]
+        return norms, [p.detach().clone() for p in model], main, len(calls)
+    finally:
+        registry.revert(applied)
+        monkeypatch.undo()
+
+
+def test_megatrons_step_with_the_fused_clip_and_copy_equals_its_own_passes(
+    one_rank_group, monkeypatch
+):
+    """megatron-core's bf16 optimizer, once with the feature's three patches and once with only
+    torch's Adam in place of TE's (megatron's own clip pass and per-parameter copy): the same grad
+    norms and, within fp32 rounding, the same parameters; the fused clip did run."""
+    from megatron.patchset.core import registry
+    from tests.unit.conftest import parse
+
+    patches = [p for p in registry.selected(parse(tiny_argv(*TORCH))) if p.feature == "torch_adam"]
+    adam_only = [p for p in patches if p.name == "optimizer.torch_fused_adam"]
+    norms, model, main, calls = _train_megatrons_optimizer(patches, one_rank_group, monkeypatch)
+    ref_norms, _, ref_main, ref_calls = _train_megatrons_optimizer(
+        adam_only, one_rank_group, monkeypatch
+    )
+    assert calls == 3 and ref_calls == 0
+    assert min(norms) > 2.0  # every step clipped
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    for a, b in zip(main, ref_main):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for m, a in zip(main, model):
+        assert torch.equal(a, m.to(torch.bfloat16))  # the foreach copy rounds like copy_
