@@ -9,7 +9,8 @@ destination module, or the destination's own name when it is defined there. The 
 nothing of ``megatron.patchset``; the overlay's registry (``@patch``, ``@rule``) is left out.
 
 Annotations of functions are dropped (the destination may not postpone their evaluation), class
-bodies keep theirs (dataclass fields need them). Docstrings stay; comments do not survive
+bodies keep theirs (dataclass fields need them), and so do functions a decorator named ``jit``
+compiles (``triton.jit`` reads ``tl.constexpr`` from them). Docstrings stay; comments do not survive
 ``ast.unparse``. A name that would clash with one the destination defines, or with a different
 definition another feature brings into the same module, is prefixed with the feature's name.
 
@@ -127,6 +128,17 @@ def free_names(source: str) -> set[str]:
     return names
 
 
+def _read_by_a_jit(node) -> bool:
+    """Whether a decorator named ``jit`` (``triton.jit``) compiles the function: it reads the
+    parameters' annotations (``tl.constexpr``), so they stay."""
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+        if name == "jit":
+            return True
+    return False
+
+
 class _StripAnnotations(ast.NodeTransformer):
     """Drop annotations outside class bodies (dataclass fields keep theirs)."""
 
@@ -134,12 +146,13 @@ class _StripAnnotations(ast.NodeTransformer):
         self.in_class = [False]
 
     def _function(self, node):
-        for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
-            arg.annotation = None
-        for arg in (node.args.vararg, node.args.kwarg):
-            if arg is not None:
+        if not _read_by_a_jit(node):
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
                 arg.annotation = None
-        node.returns = None
+            for arg in (node.args.vararg, node.args.kwarg):
+                if arg is not None:
+                    arg.annotation = None
+            node.returns = None
         self.in_class.append(False)
         self.generic_visit(node)
         self.in_class.pop()

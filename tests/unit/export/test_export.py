@@ -120,6 +120,26 @@ def test_each_fork_definition_is_exported_once(exported):
     assert "from megatron.core.transformer.moe.experts import FLAG, GroupedMMForward\n" in spec
 
 
+def test_a_triton_kernel_keeps_its_constexpr_annotations(exported):
+    """Annotations are dropped from exported functions, except where a ``jit`` decorator compiles
+    the function: grouped_mm's Triton kernel needs ``BLOCK: tl.constexpr``."""
+    out, result = exported
+    if "grouped_mm" not in result.exported:
+        pytest.skip("grouped_mm is not exportable here")
+    with open(os.path.join(out, "megatron/core/transformer/moe/experts.py")) as handle:
+        tree = ast.parse(handle.read())
+    kernels = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "add_reversed_kernel"
+    ]
+    assert len(kernels) == 1
+    annotations = {a.arg: ast.unparse(a.annotation) for a in kernels[0].args.args if a.annotation}
+    assert annotations == {"BLOCK": "tl.constexpr", "OVERWRITE": "tl.constexpr"}
+    plain = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "available"]
+    assert plain and plain[0].returns is None  # "-> bool" in the fork's source
+
+
 def test_patch_files_name_the_pr_and_apply_to_the_pristine_source(exported, tmp_path):
     out, result = exported
     with open(os.path.join(out, "patches", "0001-p2p_overlap.patch")) as handle:
