@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""GPU time of the passes around the reference config's optimizer step, each form replayed as a
+CUDA graph (one GPU; the shapes are the reference config's: 5 layers, 128 experts of 2048 -> 2x768
+-> 2048, 3.72 B parameters in 1,318 tensors).
+
+    python tools/kernel_timings.py [--reps 10]
+
+Prints one line per pass:
+
+* the experts' bf16 weight gradients added into fp32 main grads that lie in reverse expert order
+  (DDP's layout): an add per expert, a reversed copy plus one add, and grouped_mm's Triton kernel,
+  with whether the kernel's sums equal the per-expert adds to the bit;
+* the copy of the fp32 main parameters to bf16: one copy per tensor (megatron-core's bf16 path)
+  and one ``_foreach_copy_``, with whether they agree to the bit;
+* torch's fused capturable AdamW over 1.0 B parameters: alone, after a separate scaling pass of the
+  gradients (megatron's clip), and with the scale as the optimizer's ``grad_scale``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+EXPERTS, LAYERS = 128, 5
+EXPERT_SHAPES = ((1536, 2048), (2048, 768))  # fc1 (gated), fc2: (out, in)
+DENSE_SHAPES = [(151936, 2048)] * 2 + [(2048,)] * 30 + [(5120, 2048), (2048, 4096), (128, 2048)] * 5
+
+
+def graph_ms(fn, reps: int) -> float:
+    """Mean GPU time of one replay of ``fn`` captured as a CUDA graph (after one eager warm-up)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def weight_gradient_accumulation(reps: int) -> str:
+    import torch
+
+    from megatron.patchset.features.grouped_mm import accumulate
+
+    stacks = [
+        torch.zeros(EXPERTS, *shape, device="cuda")
+        for _ in range(LAYERS)
+        for shape in EXPERT_SHAPES
+    ]
+    grads = [torch.randn(s.shape, device="cuda").to(torch.bfloat16) for s in stacks]
+
+    def per_expert():
+        for stack, dw in zip(stacks, grads):
+            for e, part in enumerate(dw.unbind(0)):
+                stack[EXPERTS - 1 - e].add_(part)
+
+    def reversed_copy():
+        for stack, dw in zip(stacks, grads):
+            stack.add_(dw.flip(0))
+
+    def triton_kernel():
+        for stack, dw in zip(stacks, grads):
+            accumulate.add_reversed(stack, dw)
+
+    times = {
+        n: graph_ms(f, reps)
+        for n, f in [
+            ("per expert", per_expert),
+            ("reversed copy + add", reversed_copy),
+            ("triton", triton_kernel),
+        ]
+    }
+    for stack in stacks:
+        stack.normal_()
+    start = [s.clone() for s in stacks]
+    per_expert()
+    expected = [s.clone() for s in stacks]
+    for stack, s in zip(stacks, start):
+        stack.copy_(s)
+    triton_kernel()
+    same = all(torch.equal(a, b) for a, b in zip(stacks, expected))
+    params = sum(s.numel() for s in stacks) / 1e9
+    return (
+        f"expert wgrad bf16 -> reversed fp32 main grads ({params:.2f} B): "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in times.items())
+        + f"; triton bitwise equal to per expert: {same}"
+    )
+
+
+def main_to_model_copy(reps: int) -> str:
+    import torch
+
+    shapes = DENSE_SHAPES + [
+        s for _ in range(LAYERS) for s in EXPERT_SHAPES for _ in range(EXPERTS)
+    ]
+    shapes = shapes[:1318]
+    main = [torch.randn(s, device="cuda") for s in shapes]
+    model = [torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+
+    def per_tensor():
+        for src, dst in zip(main, model):
+            dst.copy_(src)
+
+    def foreach():
+        torch._foreach_copy_(model, main)
+
+    t_loop, t_foreach = graph_ms(per_tensor, reps), graph_ms(foreach, reps)
+    per_tensor()
+    expected = [m.clone() for m in model]
+    foreach()
+    same = all(torch.equal(a, b) for a, b in zip(model, expected))
+    params = sum(m.numel() for m in main) / 1e9
+    return (
+        f"fp32 -> bf16 copy ({len(main)} tensors, {params:.2f} B): per tensor {t_loop:.2f} ms, "
+        f"_foreach_copy_ {t_foreach:.2f} ms; bitwise equal: {same}"
+    )
+
+
+def adam_with_clip(reps: int) -> str:
+    import torch
+
+    n, count = 250_000_000, 4
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for _ in range(count)]
+    for p in params:
+        p.grad = torch.randn(n, device="cuda")
+    opt = torch.optim.AdamW(
+        params, lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True
+    )
+    opt.step()
+    coeff = torch.tensor(0.5, device="cuda")
+
+    def scale_then_step():
+        torch._foreach_mul_([p.grad for p in params], coeff)
+        opt.step()
+
+    def grad_scale():
+        opt.grad_scale = coeff
+        opt.step()
+        opt.grad_scale = None
+
+    return (
+        f"fused AdamW over {n * count / 1e9:.1f} B: step {graph_ms(opt.step, reps):.2f} ms, "
+        f"scaling pass + step {graph_ms(scale_then_step, reps):.2f} ms, step with grad_scale "
+        f"{graph_ms(grad_scale, reps):.2f} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=10, help="Graph replays per timing.")
+    opts = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("kernel_timings.py: needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for measure in (weight_gradient_accumulation, main_to_model_copy, adam_with_clip):
+        print(measure(opts.reps), flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
