@@ -24,6 +24,16 @@ def expert_weights(n=None, requires_grad=True, seed=0, shape=(OUT, IN)):
     ]
 
 
+def ddp_main_grads(weights, descending=True, dtype=torch.float32, fill=0.5):
+    """Main grads laid out as megatron's DDP buffer holds them: back to back, expert ``e`` at index
+    ``n - 1 - e`` when ``descending``; returns the buffer."""
+    buffer = torch.full((len(weights), OUT, IN), fill, dtype=dtype)
+    for i, w in enumerate(weights):
+        w.main_grad = buffer[len(weights) - 1 - i] if descending else buffer[i]
+        w.grad_added_to_main_grad = False
+    return buffer
+
+
 def rows(m, width=IN, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(m, width, generator=gen).to(torch.bfloat16)

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from megatron.patchset.features.grouped_mm import accumulate, linears
-from tests.unit.features.grouped_mm.conftest import IN, OUT, SPLITS, expert_weights, rows
+from tests.unit.features.grouped_mm.conftest import (
+    IN,
+    OUT,
+    SPLITS,
+    ddp_main_grads,
+    expert_weights,
+    rows,
+)
 
 pytest.importorskip("triton")
 
@@ -50,10 +57,7 @@ def test_a_mismatched_or_strided_stack_is_refused(interpreter):
 
 def test_the_backward_takes_it_for_main_grads_in_reverse(interpreter, monkeypatch):
     weights = expert_weights()
-    buffer = torch.full((len(weights), OUT, IN), 0.5)
-    for i, w in enumerate(weights):
-        w.main_grad = buffer[len(weights) - 1 - i]
-        w.grad_added_to_main_grad = False
+    ddp_main_grads(weights)
     calls = []
     real = accumulate.add_reversed
 

@@ -13,6 +13,7 @@ from tests.unit.features.grouped_mm.conftest import (
     OUT,
     SPLITS,
     FakeTEGroupedLinear,
+    ddp_main_grads,
     expert_weights,
     grouped_mlp,
     rows,
@@ -242,10 +243,7 @@ def test_main_grads_back_to_back_take_one_add(descending, monkeypatch):
     """DDP's buffer holds a layer's expert main grads back to back (in reverse order): the weight
     gradient goes in with one add over a view of them, not a foreach over the experts."""
     weights = expert_weights()
-    buffer = torch.full((len(weights), OUT, IN), 0.5)
-    for i, w in enumerate(weights):
-        w.main_grad = buffer[len(weights) - 1 - i] if descending else buffer[i]
-        w.grad_added_to_main_grad = False
+    buffer = ddp_main_grads(weights, descending)
     view, flipped = linears.stacked_view([w.main_grad for w in weights])
     assert flipped is descending and view.data_ptr() == buffer.data_ptr()
 
@@ -291,10 +289,7 @@ def test_inside_a_graph_capture_the_reversed_copy_is_skipped(monkeypatch):
     order take one add per expert instead of a reversed copy of the weight gradients plus one
     add."""
     weights = expert_weights()
-    buffer = torch.full((len(weights), OUT, IN), 0.5)
-    for i, w in enumerate(weights):
-        w.main_grad = buffer[len(weights) - 1 - i]
-        w.grad_added_to_main_grad = False
+    ddp_main_grads(weights)
     linears._wgrad_out_dtype(
         torch.float32, torch.device("cpu")
     )  # the probe runs before any capture
@@ -360,10 +355,7 @@ def test_gradients_in_the_main_grads_dtype_take_one_foreach_in_reverse(descendin
     no reversed copy, no add per expert, captured or not -- and with one add over the view when
     they lie in order."""
     weights = expert_weights()
-    buffer = torch.full((len(weights), OUT, IN), 0.5, dtype=torch.bfloat16)
-    for i, w in enumerate(weights):
-        w.main_grad = buffer[len(weights) - 1 - i] if descending else buffer[i]
-        w.grad_added_to_main_grad = False
+    ddp_main_grads(weights, descending, dtype=torch.bfloat16)
     monkeypatch.setattr(linears, "capturing", lambda device: True)
     seen, adds = [], []
     add, tensor_add = torch._foreach_add_, torch.Tensor.add_
