@@ -18,8 +18,12 @@ stay upstream's; only the three GEMMs run elsewhere. The two registry patches re
 
 The GEMMs (per linear, ``W_e`` of shape ``(out, in)``, rows of ``x`` grouped by expert):
 
-* forward ``y = grouped_mm(x, stack(W).mT, offs)``; the stacked weights are not kept for backward
-  (one layer's stack lives at a time; it is rebuilt in backward);
+* forward ``y = grouped_mm(x, stack(W).mT, offs)``. ``stack(W)`` is a view, no copy: at its first
+  forward the linear moves its expert weights into one ``(experts, out, in)`` tensor in expert
+  order (:func:`share_one_storage`; each ``weight{i}.data`` becomes a row of it), which the
+  optimizer's copy back to bf16 and checkpoint loads then write in place. Where the weights are
+  views already (DDP's parameter buffer under ``--use-distributed-optimizer`` holds them in reverse
+  order) they stay, and each GEMM stacks a copy (one layer's at a time);
 * data gradient ``dx = grouped_mm(dy, stack(W), offs)``;
 * weight gradient ``dW = grouped_mm(dy.T, x, offs)``, shape ``(experts, out, in)``: fp32 from the
   GEMM where the device writes it (torch 2.11's grouped GEMM does not on Hopper: there it is bf16).
@@ -284,6 +288,44 @@ def weight_gradients(dy, x, offs, weights: Sequence, fuse_accumulation: bool) ->
     return grads
 
 
+def expert_stack(weights: Sequence):
+    """The experts' weights as one ``(experts, out, in)`` tensor: a view when they lie back to back
+    in expert order (:func:`share_one_storage`), else a stacked copy."""
+    import torch
+
+    found = stacked_view([w.detach() for w in weights])
+    if found is not None and not found[1]:
+        return found[0]
+    return torch.stack(weights)
+
+
+def share_one_storage(weights: Sequence) -> bool:
+    """Move equally shaped expert weights that each fill a storage of their own into one
+    ``(experts, out, in)`` tensor in expert order (each ``weight.data`` becomes a row of it, values
+    unchanged), so that :func:`expert_stack` needs no copy. Weights that share a larger storage --
+    DDP's parameter buffer under ``--use-distributed-optimizer``, which holds them in reverse order
+    and keeps writing there -- or that differ in shape, dtype or device are left as they are;
+    returns whether they were moved."""
+    import torch
+
+    first = weights[0]
+    if any(
+        w.storage_offset() != 0
+        or w.untyped_storage().nbytes() != w.numel() * w.element_size()
+        or w.shape != first.shape
+        or w.dtype != first.dtype
+        or w.device != first.device
+        for w in weights
+    ):
+        return False
+    stack = torch.empty((len(weights), *first.shape), dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for row, weight in zip(stack.unbind(0), weights):
+            row.copy_(weight)
+            weight.data = row
+    return True
+
+
 @functools.cache
 def _grouped_mm_function():
     import torch
@@ -301,7 +343,7 @@ def _grouped_mm_function():
             ctx.padded = padded
             if x.shape[0] == 0:
                 return x.new_empty(0, weights[0].shape[0])
-            y = F.grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+            y = F.grouped_mm(x, expert_stack(weights).transpose(1, 2), offs=offs)
             return zero_tail(y, offs) if padded else y
 
         @staticmethod
@@ -312,7 +354,7 @@ def _grouped_mm_function():
             dx = None
             if ctx.needs_input_grad[0]:
                 dx = (
-                    F.grouped_mm(dy, torch.stack(weights), offs=offs)
+                    F.grouped_mm(dy, expert_stack(weights), offs=offs)
                     if x.shape[0]
                     else torch.zeros_like(x)
                 )
@@ -351,6 +393,7 @@ class GroupedMMForward:
     def __init__(self, num_gemms, input_size, output_size, *args, **kwargs):
         super().__init__(num_gemms, input_size, output_size, *args, **kwargs)
         _announce(type(self).__name__, num_gemms, input_size, output_size)
+        self._weights_placed = False
 
     def forward(self, x, m_splits):
         import torch
@@ -361,6 +404,11 @@ class GroupedMMForward:
                 "--bf16)"
             )
         weights = [self._parameters[f"weight{i}"] for i in range(self.num_gemms)]
+        if not self._weights_placed and not torch.compiler.is_compiling():
+            # At the first forward: after DDP and the optimizer took the parameters and a
+            # checkpoint was loaded into them, before any CUDA graph captures their addresses.
+            self._weights_placed = True
+            share_one_storage(weights)
         out = grouped_mm(
             x, m_splits, weights, fuse_accumulation=hasattr(weights[0], "grad_added_to_main_grad")
         )

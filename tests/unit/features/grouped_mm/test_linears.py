@@ -382,3 +382,62 @@ def test_gradients_in_the_main_grads_dtype_take_one_foreach_in_reverse(descendin
         assert seen == [] and adds == [(len(weights), OUT, IN)]
     for w, ref_dw in zip(weights, reference(x, SPLITS, weights, dy)[2]):
         close(w.main_grad, ref_dw + 0.5)
+
+
+def test_the_first_forward_puts_the_weights_in_one_storage_and_the_gemms_stack_nothing(monkeypatch):
+    """The linear's expert weights become rows of one (experts, out, in) tensor at its first
+    forward, with their values; from then on forward and backward read that tensor as it is (no
+    torch.stack), and the results stay the per-expert matmuls'."""
+    cls = linears.grouped_mm_linear(FakeTEGroupedLinear, "Row")
+    linear = cls(len(SPLITS), IN, OUT)
+    weights = [getattr(linear, f"weight{i}") for i in range(len(SPLITS))]
+    values = [w.detach().clone() for w in weights]
+    stacks = []
+    stack = torch.stack
+
+    def record(*args, **kwargs):
+        stacks.append(len(args[0]))
+        return stack(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "stack", record)
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    for _ in range(2):
+        for w in weights:
+            w.grad = None
+        x.requires_grad_(True)
+        out, _ = linear(x, SPLITS)
+        out.backward(dy)
+        ref_out, ref_dx, ref_dws = reference(x.detach(), SPLITS, weights, dy)
+        close(out, ref_out)
+        close(x.grad, ref_dx)
+        for w, ref_dw in zip(weights, ref_dws):
+            close(w.grad, ref_dw)
+        x = x.detach()
+    assert stacks == []
+    storage = weights[0].untyped_storage()
+    assert storage.nbytes() == len(SPLITS) * OUT * IN * 2
+    for i, (w, v) in enumerate(zip(weights, values)):
+        assert isinstance(w, torch.nn.Parameter) and torch.equal(w, v)
+        assert w.untyped_storage().data_ptr() == storage.data_ptr()
+        assert w.storage_offset() == i * OUT * IN
+    view = linears.expert_stack(weights)
+    assert view.shape == (len(SPLITS), OUT, IN) and view.data_ptr() == storage.data_ptr()
+
+
+def test_weights_that_are_views_already_stay_and_are_stacked_per_gemm(monkeypatch):
+    """Under --use-distributed-optimizer the weights are views of DDP's parameter buffer, in
+    reverse order: they are not moved, and each GEMM stacks a copy."""
+    buffer = torch.stack(expert_weights()).detach()
+    weights = [torch.nn.Parameter(expert_weights()[0]) for _ in range(len(buffer))]
+    for i, w in enumerate(weights):  # how DDP points them into its buffer
+        w.data = buffer[len(buffer) - 1 - i]
+    assert not linears.share_one_storage(weights)
+    assert all(w.untyped_storage().data_ptr() == buffer.data_ptr() for w in weights)
+    assert [w.storage_offset() for w in weights] == [
+        (len(buffer) - 1 - i) * OUT * IN for i in range(len(buffer))
+    ]
+    stacked = linears.expert_stack(weights)
+    assert stacked.data_ptr() != buffer.data_ptr()
+    assert all(torch.equal(stacked[i], w) for i, w in enumerate(weights))
+    mixed = expert_weights()[:2] + [torch.zeros(OUT + 1, IN, dtype=torch.bfloat16)]
+    assert not linears.share_one_storage(mixed)
