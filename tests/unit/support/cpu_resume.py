@@ -56,6 +56,10 @@ def run(rank, world_size, argv, port, out, mode, first, last, checkpoint):
 
     import pretrain_gpt
 
+    # One intra-op thread per rank: with several, a BLAS library that adapts its thread count to
+    # the machine's load may sum in another order in one run than in the other, and the runs must
+    # agree to the bit.
+    torch.set_num_threads(1)
     torch.manual_seed(1234)
     args = parse_and_validate_args(extra_args_provider=pretrain_gpt.add_patchset_args)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
