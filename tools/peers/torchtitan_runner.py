@@ -24,9 +24,10 @@ format of megatron's metrics patch, with megatron's FLOP count for the iteration
 adds the forward-backward time (all micro-batches, between two device synchronisations).
 
 torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims``, which torch 2.12
-added. On an older torch the runner defines a stand-in before importing torchtitan; only
-torchtitan's ``full_dtensor`` and ``spmd_types`` backends use it, and the runner selects
-neither (``--tt-spmd-backend`` refuses them there).
+added. On an older torch the runner defines a stand-in before importing torchtitan. Only
+torchtitan's ``full_dtensor`` and ``spmd_types`` backends use it, on a mesh of more than one
+rank: there the runner selects ``partial_dtensor`` in place of torchtitan's default
+(``spmd_types``), and ``--tt-spmd-backend`` refuses the other two.
 """
 
 from __future__ import annotations
@@ -123,6 +124,18 @@ def runner_parser() -> argparse.ArgumentParser:
         help="torchtitan's parallelism.fsdp_reshard_after_forward. Default: torchtitan's default",
     )
     return p
+
+
+def spmd_backend(requested: str | None, compat: bool, world_size: int) -> str | None:
+    """torchtitan's ``parallelism.spmd_backend`` for the run: the requested one; without one, on a
+    torch older than 2.12 (``compat``) with more than one rank, ``partial_dtensor`` (torchtitan's
+    default, ``spmd_types``, builds torch 2.12's ``DataParallelMeshDims`` there); else None,
+    torchtitan's default."""
+    if requested:
+        return requested
+    if compat and world_size > 1:
+        return "partial_dtensor"
+    return None
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -380,8 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     ep = shape.expert_parallel_size
 
     parallelism_kwargs = {"expert_parallel_degree": ep}
-    if opts.tt_spmd_backend:
-        parallelism_kwargs["spmd_backend"] = opts.tt_spmd_backend
+    backend = spmd_backend(opts.tt_spmd_backend, bool(compat), world_size)
+    if backend:
+        parallelism_kwargs["spmd_backend"] = backend
     if opts.tt_fsdp_reshard:
         parallelism_kwargs["fsdp_reshard_after_forward"] = opts.tt_fsdp_reshard
     parallelism = ParallelismConfig(**parallelism_kwargs)

@@ -202,3 +202,14 @@ def test_torchtitan_model_has_megatrons_parameter_count(config):
     norms = [n for n, _ in model.named_parameters() if n.endswith("norm.weight")]
     # attention and MoE norms per layer (and q/k norms with --qk-layernorm), the final norm
     assert len(norms) == args.num_layers * (4 if args.qk_layernorm else 2) + 1
+
+
+def test_on_torch_before_2_12_more_than_one_rank_takes_torchtitans_partial_dtensor_backend():
+    """torchtitan's default backend (spmd_types) builds torch 2.12's DataParallelMeshDims on a mesh
+    of more than one rank; on an older torch the runner picks partial_dtensor there, and leaves
+    torchtitan's default on one rank, on a newer torch, and when a backend is asked for."""
+    runner = load("torchtitan_runner", os.path.join(PEERS, "torchtitan_runner.py"))
+    assert runner.spmd_backend(None, True, 2) == "partial_dtensor"
+    assert runner.spmd_backend(None, True, 1) is None
+    assert runner.spmd_backend(None, False, 2) is None
+    assert runner.spmd_backend("spmd_types", False, 2) == "spmd_types"
