@@ -293,7 +293,7 @@ def expert_stack(weights: Sequence):
     in expert order (:func:`share_one_storage`), else a stacked copy."""
     import torch
 
-    found = stacked_view([w.detach() for w in weights])
+    found = stacked_view(weights)  # called in the autograd function, where grad mode is off
     if found is not None and not found[1]:
         return found[0]
     return torch.stack(weights)
