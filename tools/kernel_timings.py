@@ -13,7 +13,11 @@ Prints one line per pass:
 * the copy of the fp32 main parameters to bf16: one copy per tensor (megatron-core's bf16 path)
   and one ``_foreach_copy_``, with whether they agree to the bit;
 * torch's fused capturable AdamW over 1.0 B parameters: alone, after a separate scaling pass of the
-  gradients (megatron's clip), and with the scale as the optimizer's ``grad_scale``.
+  gradients (megatron's clip), and with the scale as the optimizer's ``grad_scale``;
+* the whole bf16 step over 1.0 B parameters in the reference config's tensor shapes: torch's fused
+  AdamW with ``grad_scale`` plus ``_foreach_copy_`` to bf16 (``--adam-impl torch``) against the
+  one Triton kernel (``--adam-impl triton``), with the largest difference of the fp32 parameters
+  after one step and whether the kernel's bf16 parameters are the copy's to the bit.
 """
 
 from __future__ import annotations
@@ -160,6 +164,69 @@ def adam_with_clip(reps: int) -> str:
     )
 
 
+def adam_step_and_copy(reps: int) -> str:
+    import torch
+
+    from megatron.patchset.features.torch_adam import triton_step
+
+    shapes = [(151936, 2048)] * 2 + [(1536, 2048), (2048, 768)] * 80 + [(2048,)] * 30
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    start = [torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, device="cuda", generator=gen) * 1e-3 for s in shapes]
+    scale = torch.tensor(2.0, device="cuda")
+    kw = dict(lr=torch.tensor(1e-3, device="cuda"), weight_decay=0.1, fused=True, capturable=True)
+
+    def setup(cls):
+        """An optimizer built over bf16 model parameters whose fp32 main copies then take their
+        places, as megatron's bf16 optimizer arranges them."""
+        models = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in start]
+        opt = cls(models, **kw)
+        mains = []
+        for i, model in enumerate(models):
+            main = torch.nn.Parameter(start[i].clone())
+            main.grad = grads[i]
+            opt.param_groups[0]["params"][i] = main
+            model.main_param = main
+            mains.append(main)
+        return opt, models, mains
+
+    ref, ref_models, ref_mains = setup(torch.optim.AdamW)
+
+    def torch_step():
+        ref.grad_scale = scale
+        ref.step()
+        ref.grad_scale = None
+        torch._foreach_copy_([m.data for m in ref_models], [m.data for m in ref_mains])
+
+    t_torch = graph_ms(torch_step, reps)
+    del ref, ref_models, ref_mains
+    torch.cuda.empty_cache()
+    ours, models, mains = setup(triton_step.TritonAdamW)
+
+    def triton_one_kernel():
+        ours.grad_scale = scale
+        ours.step()
+        ours.grad_scale = None
+
+    t_triton = graph_ms(triton_one_kernel, reps)
+    # One step each from the same state.
+    ref, ref_models, ref_mains = setup(torch.optim.AdamW)
+    del ours, models, mains
+    torch.cuda.empty_cache()
+    ours, models, mains = setup(triton_step.TritonAdamW)
+    torch_step()
+    triton_one_kernel()
+    diff = max((a - b).abs().max().item() for a, b in zip(mains, ref_mains))
+    same = all(torch.equal(m, p.to(torch.bfloat16)) for m, p in zip(models, mains))
+    params = sum(p.numel() for p in start) / 1e9
+    return (
+        f"bf16 AdamW step with grad_scale over {params:.2f} B in {len(shapes)} tensors: torch "
+        f"fused + _foreach_copy_ {t_torch:.2f} ms, one Triton kernel {t_triton:.2f} ms (aligned: "
+        f"{ours._plan.aligned}); max |param diff| after one step {diff:.2e}; bf16 copies "
+        f"bitwise equal: {same}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=10, help="Graph replays per timing.")
@@ -169,7 +236,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("kernel_timings.py: needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for measure in (weight_gradient_accumulation, main_to_model_copy, adam_with_clip):
+    for measure in (
+        weight_gradient_accumulation,
+        main_to_model_copy,
+        adam_with_clip,
+        adam_step_and_copy,
+    ):
         print(measure(opts.reps), flush=True)
         torch.cuda.empty_cache()
 

@@ -2,7 +2,8 @@
 and a second launch with ``--load``; iterations 11-20 have the same losses and gradient norms to
 the last bit (``--deterministic-mode``), through pretrain_gpt.py on one GPU. For plain training,
 the full-iteration CUDA-graph recipe (experts as grouped GEMMs, token counts on the GPU), that
-recipe with torch's fused Adam captured too (``--adam-impl torch --optimizer-cuda-graph``),
+recipe with torch's fused Adam captured too (``--adam-impl torch --optimizer-cuda-graph``) and
+with the one-kernel Adam step captured (``--adam-impl triton``),
 Megatron-FSDP with TE per-layer graphs, and per-layer torch.compile; the offload API's harness
 saves after an offload/reload cycle and reloads right after loading. All runs of a stage start at
 once (they share the GPU): this checks numerics, not time."""
@@ -42,6 +43,10 @@ RECIPES = {
     "full_iteration": (FULL_ITERATION, {}),
     "full_iteration_torch_adam_graph": (
         FULL_ITERATION + ("--optimizer-cuda-graph", "--adam-impl", "torch"),
+        {},
+    ),
+    "full_iteration_triton_adam_graph": (
+        FULL_ITERATION + ("--optimizer-cuda-graph", "--adam-impl", "triton"),
         {},
     ),
     "fsdp_te_graphs": (

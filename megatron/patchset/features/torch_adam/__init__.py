@@ -4,7 +4,9 @@
 (:mod:`.optimizer`), lets that kernel apply megatron's gradient clipping as it reads the gradients
 (:mod:`.clipping`), and copies the fp32 main parameters back to bf16 in multi-tensor kernels
 (:mod:`.param_copy`); megatron's mixed-precision optimizer around them (fp32 main parameters and
-gradients, the gradient norm, checkpoints) stays upstream's.
+gradients, the gradient norm, checkpoints) stays upstream's. ``--adam-impl triton`` keeps the same
+optimizer class and state and steps it with one Triton kernel that also applies the clip and writes
+the bf16 model parameters (:mod:`.triton_step`).
 """
 
 from megatron.patchset.core.features import Feature
@@ -13,7 +15,7 @@ from megatron.patchset.features.torch_adam import flags
 FEATURE = Feature(
     name="torch_adam",
     title="Adam as torch's fused AdamW (capturable under --optimizer-cuda-graph)",
-    switches=(f"{flags.FLAG} torch",),
+    switches=(f"{flags.FLAG} torch", f"{flags.FLAG} triton"),
     enabled=flags.requested,
     upstream_pr="proposed (megatron-core 0.19.2 takes torch's AdamW only when neither "
     "TransformerEngine nor apex is installed)",
@@ -23,6 +25,7 @@ FEATURE = Feature(
         f"{__name__}.optimizer",
         f"{__name__}.clipping",
         f"{__name__}.param_copy",
+        f"{__name__}.triton_step",
     ),
     flags=(flags.FLAG,),
     add_arguments=flags.add_arguments,

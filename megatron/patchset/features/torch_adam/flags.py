@@ -6,12 +6,25 @@ import argparse
 from typing import Any
 
 FLAG = "--adam-impl"
-IMPLS = ("te", "torch")
+IMPLS = ("te", "torch", "triton")
 DEFAULT_IMPL = "te"
 
 
+def impl(args: Any) -> str:
+    return DEFAULT_IMPL if args is None else getattr(args, "adam_impl", DEFAULT_IMPL)
+
+
 def requested(args: Any) -> bool:
-    return args is not None and getattr(args, "adam_impl", DEFAULT_IMPL) == "torch"
+    """torch's AdamW state in place of TE's FusedAdam: ``--adam-impl torch`` or ``triton``."""
+    return impl(args) in ("torch", "triton")
+
+
+def wants_torch_kernel(args: Any) -> bool:
+    return impl(args) == "torch"
+
+
+def wants_triton_kernel(args: Any) -> bool:
+    return impl(args) == "triton"
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -25,5 +38,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--optimizer-cuda-graph it is capturable and the learning rate is a device tensor "
         "that megatron's scheduler updates in place. The state keeps megatron-core's "
         "checkpoint format for torch optimizers (exp_avg, exp_avg_sq and a per-parameter "
-        "step). Needs the non-distributed optimizer in fp32 main parameters.",
+        "step). triton: the same optimizer and state, stepped by one Triton kernel that also "
+        "applies the clip and writes the bf16 model parameters (megatron's copy is skipped). "
+        "torch and triton need the non-distributed optimizer in fp32 main parameters.",
     )

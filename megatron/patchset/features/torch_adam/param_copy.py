@@ -20,6 +20,10 @@ def foreach_copy_main_to_model(original):
     megatron would loop over the parameters."""
 
     def _copy_main_params_to_model_params(self):
+        # --adam-impl triton: the step wrote the model parameters already (.triton_step).
+        take = getattr(getattr(self, "optimizer", None), "take_model_copy", None)
+        if take is not None and take(self):
+            return None
         if getattr(self, "_dummy_overflow_buf", None) is not None:
             return original(self)
         import torch

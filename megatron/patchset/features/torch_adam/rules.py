@@ -1,4 +1,5 @@
-"""Rules for ``--adam-impl torch``: what torch's fused Adam replaces and what it does not cover."""
+"""Rules for ``--adam-impl torch`` and ``triton``: what torch's AdamW replaces and what it does not
+cover."""
 
 from __future__ import annotations
 
@@ -50,4 +51,4 @@ def _adam_impl_torch(args):
             "--weight-decay-incr-style constant with --optimizer-cuda-graph (the captured step "
             f"keeps the weight decay of the capture; got {args.weight_decay_incr_style})"
         )
-    return listed(f"{FLAG} torch needs: ", problems)
+    return listed(f"{FLAG} {args.adam_impl} needs: ", problems)

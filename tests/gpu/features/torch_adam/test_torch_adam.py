@@ -1,4 +1,4 @@
-"""--adam-impl torch on one GPU.
+"""--adam-impl torch and triton on one GPU.
 
 * megatron-core's bf16 optimizer with the clip applied by the fused kernel and the foreach copy to
   bf16 gives the update of megatron's own passes.
@@ -7,7 +7,10 @@
   learning rates, and TE's FusedAdam within fp32 rounding.
 * Training (the full-iteration recipe: experts as grouped GEMMs, token counts on the GPU): with
   torch's Adam the run trains like TE's FusedAdam, and with the optimizer captured too
-  (``--optimizer-cuda-graph``) like its eager self.
+  (``--optimizer-cuda-graph``) like its eager self; the one-kernel step (``--adam-impl triton``),
+  captured, trains like torch's captured fused AdamW.
+* The one-kernel step in megatron's bf16 optimizer gives the update of torch's fused AdamW with
+  megatron's clip pass and copy, and writes the bf16 parameters as the copy rounds them.
 """
 
 import pytest
@@ -41,6 +44,7 @@ GRAPHS = (
     "20",
 )
 TORCH = ("--adam-impl", "torch")
+TRITON = ("--adam-impl", "triton")
 ANNOUNCED = "megatron-patchset: Adam is torch.optim.AdamW (fused"
 LOSS_ATOL = 2e-2
 GRAD_NORM_RTOL = 5e-2
@@ -113,6 +117,7 @@ def runs(tmp_path_factory):
         "te_eager": RECIPE,
         "torch_eager": RECIPE + TORCH,
         "torch_graphs": RECIPE + TORCH + GRAPHS,
+        "triton_graphs": RECIPE + TRITON + GRAPHS,
     }
     return launch_many(
         [
@@ -143,6 +148,16 @@ def test_captured_torch_adam_trains_like_eager(runs):
         runs["torch_eager"],
         "torch AdamW, full-iteration + optimizer graphs vs eager",
     )
+
+
+def test_the_one_kernel_step_captured_trains_like_torchs_fused_adamw(runs):
+    log = runs["triton_graphs"].log_text()
+    assert (
+        "megatron-patchset: Adam is torch.optim.AdamW (one Triton kernel with the clip and the "
+        "bf16 copy, capturable)" in log
+    )
+    assert "Optimizer CUDA graph capture done" in log
+    close(runs["triton_graphs"], runs["torch_graphs"], "one-kernel AdamW vs torch fused, captured")
 
 
 @pytest.fixture
@@ -196,28 +211,39 @@ def _train_megatrons_optimizer(patches, group, monkeypatch):
             assert ok
             norms.append(float(norm))
         main = [p.detach().clone() for g in opt.fp32_from_float16_groups for p in g]
-        return norms, [p.detach().clone() for p in model], main, len(calls)
+        kernel = getattr(opt.optimizer, "_plan", None) is not None  # the one-kernel step ran
+        return norms, [p.detach().clone() for p in model], main, len(calls), kernel
     finally:
         registry.revert(applied)
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_megatrons_step_with_the_fused_clip_and_copy_equals_its_own_passes(
-    one_rank_group, monkeypatch
+    one_rank_group, monkeypatch, impl
 ):
-    """megatron-core's bf16 optimizer, once with the feature's three patches and once with only
-    torch's Adam in place of TE's (megatron's own clip pass and per-parameter copy): the same grad
-    norms and, within fp32 rounding, the same parameters; the fused clip did run."""
+    """megatron-core's bf16 optimizer, once with the feature's patches for ``impl`` and once with
+    only torch's Adam in place of TE's (megatron's own clip pass and per-parameter copy): the same
+    grad norms and, within fp32 rounding, the same parameters; the fused clip did run, and the
+    bf16 parameters are the round-to-nearest-even copies of the main ones."""
     from megatron.patchset.core import registry
     from tests.unit.conftest import parse
 
-    patches = [p for p in registry.selected(parse(tiny_argv(*TORCH))) if p.feature == "torch_adam"]
-    adam_only = [p for p in patches if p.name == "optimizer.torch_fused_adam"]
-    norms, model, main, calls = _train_megatrons_optimizer(patches, one_rank_group, monkeypatch)
-    ref_norms, _, ref_main, ref_calls = _train_megatrons_optimizer(
+    patches = [
+        p
+        for p in registry.selected(parse(tiny_argv("--adam-impl", impl)))
+        if p.feature == "torch_adam"
+    ]
+    torch_args = parse(tiny_argv(*TORCH))
+    adam_only = [p for p in registry.selected(torch_args) if p.name == "optimizer.torch_fused_adam"]
+    norms, model, main, calls, kernel = _train_megatrons_optimizer(
+        patches, one_rank_group, monkeypatch
+    )
+    ref_norms, _, ref_main, ref_calls, _ = _train_megatrons_optimizer(
         adam_only, one_rank_group, monkeypatch
     )
     assert calls == 3 and ref_calls == 0
+    assert kernel == (impl == "triton")
     assert min(norms) > 2.0  # every step clipped
     assert norms == pytest.approx(ref_norms, rel=1e-5)
     for a, b in zip(main, ref_main):
