@@ -13,5 +13,6 @@ ORDER = (
     "grouped_mm",
     "static_dispatch",
     "torch_adam",
+    "triton_cross_entropy",
     "offload",
 )
