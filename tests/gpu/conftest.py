@@ -190,6 +190,20 @@ def launch_many(jobs, *, timeout=900):
     return runs
 
 
+@pytest.fixture
+def one_rank_group():
+    """A one-rank NCCL process group, for megatron functions that reduce over a group in-process
+    (the gradient norm, the vocab-parallel loss)."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
 def tiny_argv(*extra):
 
     return argsfile.read(TINY) + list(extra)

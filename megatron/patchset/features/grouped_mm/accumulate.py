@@ -19,7 +19,8 @@ kernels.
 from __future__ import annotations
 
 import functools
-import os
+
+from megatron.patchset.core.triton_kernels import triton_runs_on
 
 BLOCK = 2048
 
@@ -48,13 +49,7 @@ def _kernel():
 def available(device) -> bool:
     """Whether :func:`add_reversed` runs on ``device``: a CUDA device with Triton installed, or any
     device under Triton's interpreter."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_runs_on(device)
 
 
 def add_reversed(stack, dw, overwrite: bool = False) -> None:

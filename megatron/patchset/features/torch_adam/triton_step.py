@@ -32,9 +32,10 @@ step is torch's fused one and megatron copies the parameters itself.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from megatron.patchset.core.triton_kernels import triton_runs_on
 
 BLOCK = 512
 NUM_WARPS = 4
@@ -120,16 +121,10 @@ def _kernel():
     return adam_step_kernel
 
 
-def available(device: torch.device) -> bool:
+def available(device) -> bool:
     """Whether the kernel runs on ``device``: CUDA with Triton, or any device under Triton's
     interpreter."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_runs_on(device)
 
 
 class _Plan:

@@ -18,9 +18,10 @@ fp32, as megatron's. The vocabulary size is a compile-time constant (one compila
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from megatron.patchset.core.triton_kernels import triton_runs_on
 
 try:  # module globals: Triton's interpreter patches the ``tl`` its kernels' module holds
     import triton
@@ -96,12 +97,10 @@ def _kernels():
     return forward_kernel, backward_kernel
 
 
-def available(device: torch.device) -> bool:
+def available(device) -> bool:
     """Whether the kernels run on ``device``: CUDA with Triton, or any device under Triton's
     interpreter."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    return triton is not None
+    return triton_runs_on(device)
 
 
 class TritonCrossEntropy(torch.autograd.Function):

@@ -160,19 +160,6 @@ def test_the_one_kernel_step_captured_trains_like_torchs_fused_adamw(runs):
     close(runs["triton_graphs"], runs["torch_graphs"], "one-kernel AdamW vs torch fused, captured")
 
 
-@pytest.fixture
-def one_rank_group():
-    """megatron's gradient norm all-reduces over a process group: a one-rank NCCL group."""
-    import torch.distributed as dist
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
-
-
 def _megatron_optimizer(model_params, group):
     from megatron.core.optimizer import Adam, OptimizerConfig
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params

@@ -34,18 +34,6 @@ RECIPE = (
 )
 
 
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
-
-
 def test_the_kernels_give_megatrons_fused_loss_and_gradient(one_rank_group):
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
