@@ -5,15 +5,19 @@
 #   --moe-static-dispatch            with EP > 1: the all-to-all in fixed-size slots, no host sync
 #   --cuda-graph-impl full_iteration the whole forward and backward replayed as one CUDA graph
 #   --optimizer-cuda-graph           the optimizer step replayed as a second graph
-# plus megatron's --cross-entropy-loss-fusion and --manual-gc. On the reference config (one H200,
-# 1 x 4096 tokens per step) the step runs 2.16x faster than upstream with its own TE graphs and the
-# same cross-entropy fusion (docs/features/static_dispatch.md). The reference config at 4 x 4096
-# tokens peaks at 95 GiB: an 80 GB GPU takes 1 x 4096. EP > 1 is not yet measured.
+#   --adam-impl triton               the clipped AdamW step and the bf16 copy in one Triton kernel
+#   --cross-entropy-triton           the fused loss in two Triton kernels (needs TP = 1)
+# plus megatron's --cross-entropy-loss-fusion and --manual-gc. On the reference config (one H200)
+# the step runs 85.5 ms at 1 x 4096 tokens and 187.6 ms at 4 x 4096, 3.62x and 2.24x upstream with
+# its own TE graphs and the same cross-entropy fusion in the same runs (docs/benchmarks.md, Peers).
+# The reference config at 4 x 4096 tokens peaks at 81 GiB: an 80 GB GPU takes 1 x 4096. EP > 1 is
+# not yet measured.
 #
 #   bash examples/pretrain_moe_small_batch.sh                         # reference config, 1 GPU
 #   MICRO_BATCH=4 bash examples/pretrain_moe_small_batch.sh           # 4 x 4096 tokens per step
 #   GRAPHS=layer bash examples/pretrain_moe_small_batch.sh            # per-layer TE graphs instead
 #   GRAPHS=none bash examples/pretrain_moe_small_batch.sh             # the same GEMMs, no graphs
+#   KERNELS=0 bash examples/pretrain_moe_small_batch.sh               # megatron's Adam and loss
 #   NGPUS=2 EP=2 bash examples/pretrain_moe_small_batch.sh            # experts over 2 GPUs
 #   DATA_PATH=/data/my_text_document TOKENIZER_MODEL=Qwen/Qwen3-30B-A3B bash ...
 #   DRY_RUN=1 bash examples/pretrain_moe_small_batch.sh               # check the flags, no GPU
@@ -33,10 +37,11 @@ NGPUS=${NGPUS:-1}               # GPUs (measured: 1)
 EP=${EP:-1}                     # expert-parallel size; > 1 uses the static all-to-all
 CAPACITY_FACTOR=${CAPACITY_FACTOR:-2.0}  # per-peer slots of the static all-to-all (EP > 1)
 OPTIMIZER_GRAPH=${OPTIMIZER_GRAPH:-1}    # 1: --optimizer-cuda-graph with GRAPHS=full
+KERNELS=${KERNELS:-1}           # 1: --adam-impl triton --cross-entropy-triton with GRAPHS=full
 MICRO_BATCH=${MICRO_BATCH:-1}
 int_knobs 1 NGPUS EP MICRO_BATCH
 number_knobs CAPACITY_FACTOR
-switch_knobs OPTIMIZER_GRAPH
+switch_knobs OPTIMIZER_GRAPH KERNELS
 GLOBAL_BATCH=${GLOBAL_BATCH:-$((MICRO_BATCH * NGPUS))}
 GRAPHS=${GRAPHS:-full}          # full: --cuda-graph-impl full_iteration; layer: TE graphs of attention,
                                 # router and preprocessing; none: eager
@@ -60,7 +65,8 @@ case "$GRAPHS" in
     fi
     GRAPH_ARGS=(--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2
                 --no-check-for-nan-in-loss-and-grad --timing-log-level 0)
-    if [ "$OPTIMIZER_GRAPH" = 1 ]; then GRAPH_ARGS+=(--optimizer-cuda-graph); fi ;;
+    if [ "$OPTIMIZER_GRAPH" = 1 ]; then GRAPH_ARGS+=(--optimizer-cuda-graph); fi
+    if [ "$KERNELS" = 1 ]; then GRAPH_ARGS+=(--adam-impl triton --cross-entropy-triton); fi ;;
   layer)
     GRAPH_ARGS=(--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 2
                 --cuda-graph-modules attn moe_router moe_preprocess) ;;

@@ -43,6 +43,20 @@ def test_other_graph_modes_leave_the_counts_on_the_host(graphs):
     assert "micro-batches per step ............ 1 (global 4, micro 4)" in proc.stdout
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_the_full_graph_recipe_takes_the_forks_triton_kernels_unless_told_not_to(kernels):
+    proc = dry_run_example(SCRIPTS["local"], KERNELS=kernels)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for feature, patch in (
+        ("torch_adam (--adam-impl triton)", "optimizer.triton_adam"),
+        ("triton_cross_entropy (--cross-entropy-triton)", "loss.triton_cross_entropy"),
+    ):
+        assert (feature in out) == (kernels == "1"), out
+        assert (patch in out) == (kernels == "1")
+    assert out.rstrip().endswith("dry-run: OK")
+
+
 def test_a_timer_inside_the_captured_step_is_refused_before_launch():
     proc = dry_run_example(SCRIPTS["slurm"], EXTRA="--timing-log-level 1")
     assert proc.returncode != 0
@@ -80,6 +94,7 @@ def test_expert_parallel_without_full_graphs_keeps_megatrons_dispatcher():
         ("EP", "0", "EP must be a whole number >= 1"),
         ("CAPACITY_FACTOR", "lots", "CAPACITY_FACTOR must be a number"),
         ("OPTIMIZER_GRAPH", "yes", "OPTIMIZER_GRAPH must be 0 or 1"),
+        ("KERNELS", "on", "KERNELS must be 0 or 1"),
     ],
 )
 def test_bad_expert_knobs_are_named(knob, value, message):

@@ -29,4 +29,5 @@ FEATURE = Feature(
     ),
     flags=(flags.FLAG,),
     add_arguments=flags.add_arguments,
+    in_use=lambda args: [f"{flags.FLAG} {flags.impl(args)}"],
 )
