@@ -32,6 +32,16 @@ def parse(argv, world_size=1):
             os.environ["WORLD_SIZE"] = saved_ws
 
 
+def triton_interpreter(monkeypatch, kernel_cache):
+    """Body of a fixture that runs a feature's Triton kernels under Triton's interpreter on the
+    CPU: ``TRITON_INTERPRET=1`` and ``kernel_cache`` (the feature's cached kernel builder) cleared
+    before and after, so the kernels are made in the mode the test runs in."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel_cache.cache_clear()
+    yield
+    kernel_cache.cache_clear()
+
+
 def tiny_argv(*extra):
 
     return argsfile.read(TINY) + list(extra)

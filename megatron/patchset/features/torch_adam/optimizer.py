@@ -90,6 +90,17 @@ def build_adam(
     return optimizer
 
 
+def _adam_builder(impl: str):
+    """The replacement of megatron-core's Adam for ``impl``. A function of its own per application:
+    the registry marks the replacement (sentinel, ``__wrapped__``), which must not stick to the
+    module-level build_adam after a revert."""
+
+    def adam(*args, **kwargs):
+        return build_adam(*args, impl=impl, **kwargs)
+
+    return adam
+
+
 @patch(
     "optimizer.torch_fused_adam",
     "megatron.core.optimizer.Adam",
@@ -100,12 +111,7 @@ def build_adam(
     "(--optimizer-cuda-graph), where TE's capturable kernel is slower than its eager one",
 )
 def torch_fused_adam(original):
-    # A function of its own per application: the registry marks the replacement (sentinel,
-    # ``__wrapped__``), which must not stick to the module-level build_adam after a revert.
-    def adam(*args, **kwargs):
-        return build_adam(*args, **kwargs)
-
-    return adam
+    return _adam_builder("torch")
 
 
 @patch(
@@ -118,7 +124,4 @@ def torch_fused_adam(original):
     "step plus megatron's copy",
 )
 def triton_adam(original):
-    def adam(*args, **kwargs):
-        return build_adam(*args, impl="triton", **kwargs)
-
-    return adam
+    return _adam_builder("triton")

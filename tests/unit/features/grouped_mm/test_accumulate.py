@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron.patchset.features.grouped_mm import accumulate, linears
+from tests.unit.conftest import triton_interpreter
 from tests.unit.features.grouped_mm.conftest import (
     IN,
     OUT,
@@ -20,10 +21,7 @@ pytest.importorskip("triton")
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    accumulate._kernel.cache_clear()
-    yield
-    accumulate._kernel.cache_clear()
+    yield from triton_interpreter(monkeypatch, accumulate._kernel)
 
 
 def test_without_a_gpu_or_the_interpreter_it_is_not_available(monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from megatron.patchset.core import registry
 from megatron.patchset.features.torch_adam import param_copy, triton_step
 from megatron.patchset.features.torch_adam.optimizer import build_adam
-from tests.unit.conftest import parse, tiny_argv
+from tests.unit.conftest import parse, tiny_argv, triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -20,10 +20,7 @@ SHAPES = ((3, triton_step.BLOCK // 2 + 7), (13,), (7, 5), (2048,))
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    triton_step._kernel.cache_clear()
-    yield
-    triton_step._kernel.cache_clear()
+    yield from triton_interpreter(monkeypatch, triton_step._kernel)
 
 
 def params(seed=0, shapes=SHAPES):

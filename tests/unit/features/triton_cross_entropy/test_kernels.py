@@ -8,7 +8,7 @@ import torch
 from megatron.patchset.core import registry
 from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.features.triton_cross_entropy import kernels, patches
-from tests.unit.conftest import failures, parse, tiny_argv
+from tests.unit.conftest import failures, parse, tiny_argv, triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -19,10 +19,7 @@ VOCAB = kernels.BLOCK + 37  # two blocks, the second partial
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernels._kernels.cache_clear()
-    yield
-    kernels._kernels.cache_clear()
+    yield from triton_interpreter(monkeypatch, kernels._kernels)
 
 
 def logits_and_target(dtype=torch.float32, seq=3, batch=2, vocab=VOCAB, seed=0):
