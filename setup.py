@@ -35,11 +35,12 @@ setup(
         "te": ["transformer-engine[pytorch]==2.20.2"],
         "test": ["pytest>=8", "hypothesis>=6"],
         "bench": ["matplotlib"],
-        # Peers for tools/bench.py (tools/peers/): torchtitan's Qwen3-MoE through its own model,
-        # compile and CUDA-graph code. Offline GPU machines: tools/peers/prepare_wheels.sh.
+        # Peers for tools/bench/bench.py (tools/bench/peers/): torchtitan's Qwen3-MoE through its
+        # own model, compile and CUDA-graph code. Offline GPU machines:
+        # tools/bench/peers/prepare_wheels.sh.
         "bench-peers": ["torchtitan==0.3.0"],
         # DeepEP and NVIDIA apex are optional and not installable from the registry in a usable
-        # form: see docs/deepep.md and tools/install_deepep.sh; apex is never required.
+        # form: see docs/deepep.md and tools/build/build_deepep.sh; apex is never required.
     },
     entry_points={"console_scripts": ["megatron-patchset=megatron.patchset.__main__:main"]},
 )

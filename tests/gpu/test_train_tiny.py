@@ -40,7 +40,7 @@ def test_tiny_moe_two_gpus_expert_parallel(tmp_path):
 @pytest.mark.gpus(1)
 def test_fork_matches_unpatched_upstream(tmp_path):
     """No fork flag: pretrain_gpt.py (with its patches) and Megatron-LM's own pretrain_gpt.py
-    (release branch core_r0.19.0, run unmodified through tools/run_upstream.py) give
+    (release branch core_r0.19.0, run unmodified through tools/bench/run_upstream.py) give
     bit-identical losses and gradient norms."""
     if not os.path.exists(UPSTREAM_SCRIPT):
         pytest.skip(
@@ -58,6 +58,7 @@ def test_fork_matches_unpatched_upstream(tmp_path):
             os.path.join(
                 os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                 "tools",
+                "bench",
                 "run_upstream.py",
             ),
             UPSTREAM_SCRIPT,

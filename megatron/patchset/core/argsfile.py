@@ -1,8 +1,8 @@
 """Flag files: the configs under ``examples/configs/*.args``.
 
 A flag file holds megatron command-line flags, any number per line, with ``#`` comments. The
-launchers read it with ``read_config`` (``examples/lib/launch.sh``); Python (``tools/bench.py``,
-tests) with :func:`read`. Values must not contain spaces.
+launchers read it with ``read_config`` (``examples/lib/launch.sh``); Python
+(``tools/bench/bench.py``, tests) with :func:`read`. Values must not contain spaces.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ class Patch:
         flags: the flags (or ``env VAR``) that turn it on, for ``--list``; None takes the feature's
             switches, () means always.
         enabled: predicate of the parsed arguments (``None`` when there are none, as under
-            ``tools/run_upstream.py``); None takes the feature's predicate, or always for the core.
+            ``tools/bench/run_upstream.py``); None takes the feature's predicate, or always for
+            the core.
         kind: ``compat`` (needed to run from the wheel at all, or a diagnostic that never changes
             a result), ``observe`` (records metrics, changes no computation) or ``feature``
             (changes what training does). ``MEGATRON_PATCHSET=off`` applies compat and observe

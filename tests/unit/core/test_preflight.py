@@ -168,7 +168,7 @@ def test_the_dry_run_names_its_data(tmp_path):
 )
 def test_tools_refuse_bad_arguments_in_one_line(tool, argv, expected):
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", tool), *argv],
+        [sys.executable, os.path.join(ROOT, "tools", "bench", tool), *argv],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -1,4 +1,4 @@
-"""tools/bench.py's reduction of metrics to its table, flag files, and the metrics patch."""
+"""tools/bench/bench.py's reduction of metrics to its table, flag files, and the metrics patch."""
 
 import importlib.util
 import json
@@ -8,7 +8,9 @@ import pytest
 
 from tests.unit.conftest import ROOT, TINY
 
-spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "tools", "bench.py"))
+spec = importlib.util.spec_from_file_location(
+    "bench", os.path.join(ROOT, "tools", "bench", "bench.py")
+)
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 

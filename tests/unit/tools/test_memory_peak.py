@@ -1,10 +1,11 @@
-"""tools/memory_peak.py on a synthetic allocator snapshot (the layout torch.cuda.memory._snapshot()
-writes): the peak inside the trace window, the blocks alive at it, call sites, the comparison."""
+"""tools/bench/memory_peak.py on a synthetic allocator snapshot (the layout
+torch.cuda.memory._snapshot() writes): the peak inside the trace window, the blocks alive at it,
+call sites, the comparison."""
 
 import io
 import pickle
 
-from tools import memory_peak
+from tools.bench import memory_peak
 
 GIB = 1024**3
 

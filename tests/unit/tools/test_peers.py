@@ -1,6 +1,6 @@
-"""tools/peers: megatron flag files translated for a peer framework, the peer's metrics records
-and synthetic tokens, tools/bench.py's peer variants, and (with torchtitan installed) the
-torchtitan model built from a flag file."""
+"""tools/bench/peers: megatron flag files translated for a peer framework, the peer's metrics
+records and synthetic tokens, tools/bench/bench.py's peer variants, and (with torchtitan installed)
+the torchtitan model built from a flag file."""
 
 import contextlib
 import importlib.util
@@ -14,7 +14,7 @@ import pytest
 from megatron.patchset.core import argsfile
 from tests.unit.conftest import REFERENCE, ROOT, TINY
 
-PEERS = os.path.join(ROOT, "tools", "peers")
+PEERS = os.path.join(ROOT, "tools", "bench", "peers")
 
 
 def load(name, path):
@@ -29,7 +29,7 @@ def load(name, path):
 
 
 shape = load("shape", os.path.join(PEERS, "shape.py"))
-bench = load("bench", os.path.join(ROOT, "tools", "bench.py"))
+bench = load("bench", os.path.join(ROOT, "tools", "bench", "bench.py"))
 
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
@@ -147,7 +147,7 @@ def test_data_parallel_ranks_split_one_stream():
 
 
 def test_bench_runs_peer_variants_through_their_runner():
-    runner = os.path.join(ROOT, "tools", "peers", "torchtitan_runner.py")
+    runner = os.path.join(PEERS, "torchtitan_runner.py")
     assert bench.peer_runner("torchtitan") == runner
     assert bench.peer_runner("torchtitan-graphs") == runner
     assert bench.peer_runner("torchtitanic") is None

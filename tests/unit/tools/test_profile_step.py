@@ -1,4 +1,4 @@
-"""tools/profile_step.py: its torchrun command line and its Markdown report."""
+"""tools/bench/profile_step.py: its torchrun command line and its Markdown report."""
 
 import importlib.util
 import os
@@ -10,7 +10,7 @@ from tests.unit.conftest import ROOT
 from tests.unit.core.observe.traces import synthetic_trace
 
 spec = importlib.util.spec_from_file_location(
-    "profile_step", os.path.join(ROOT, "tools", "profile_step.py")
+    "profile_step", os.path.join(ROOT, "tools", "bench", "profile_step.py")
 )
 profile_step = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile_step)

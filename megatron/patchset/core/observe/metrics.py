@@ -6,7 +6,8 @@ with the exact values behind megatron's log line (losses and gradient norm at fu
 not the rounded text), the wall-clock time since the previous iteration, megatron's FLOP count
 for the iteration and the GPU memory high-water mark. At the end of training a ``summary``
 line records the peak memory over all ranks. Tests compare runs bit for bit from these files and
-``tools/bench.py`` computes its table from them. The patch computes nothing that training uses.
+``tools/bench/bench.py`` computes its table from them. The patch computes nothing that training
+uses.
 
 With ``MEGATRON_PATCHSET_TIME_FWD_BWD=1`` the record also carries the forward-backward time
 measured around megatron's forward-backward call (:func:`timed_forward_backward`, installed by
@@ -199,7 +200,7 @@ def forward_backward_seconds() -> float | None:
     "training.metrics_jsonl",
     "megatron.training.training.training_log",
     reason="exact per-iteration losses, grad norm, time, FLOPs and memory for tests and "
-    "tools/bench.py",
+    "tools/bench/bench.py",
     upstream_pr="fork-only (instrumentation)",
     flags=(f"env {METRICS_ENV}",),
     enabled=lambda args: metrics_path() is not None,

@@ -1,4 +1,5 @@
-"""One profiled training iteration: where the host time of a step goes (``tools/profile_step.py``).
+"""One profiled training iteration: where the host time of a step goes
+(``tools/bench/profile_step.py``).
 
 ``training.observe_train_step`` (observe only): with ``MEGATRON_PATCHSET_PROFILE=<dir>:<N>`` set,
 megatron's ``train_step`` runs iteration ``N`` (1-based, as in megatron's log lines) under
@@ -158,7 +159,7 @@ def rank_folder(folder: str, rank: int) -> str:
     "training.observe_train_step",
     "megatron.training.training.train_step",
     reason="profile one training iteration (host time by MoE stage, launches, syncs, GPU idle) "
-    "for tools/profile_step.py; time forward-backward from outside for tools/bench.py",
+    "for tools/bench/profile_step.py; time forward-backward from outside for tools/bench/bench.py",
     upstream_pr="fork-only (instrumentation)",
     flags=(f"env {PROFILE_ENV}", f"env {metrics.FWD_BWD_ENV}"),
     enabled=lambda args: profile_request() is not None or metrics.fwd_bwd_timer_requested(),

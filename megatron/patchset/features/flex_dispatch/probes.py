@@ -164,7 +164,7 @@ def _build_hint(backend: str) -> str:
     branch = " (branch hybrid-ep)" if backend == "hybridep" else ""
     return (
         f"Build DeepEP {revision[:7]}{branch} from {DEEPEP_REPOSITORY} with `bash "
-        "tools/build_deepep.sh <source> <dest>` and put <dest> on PYTHONPATH (docs/deepep.md)"
+        "tools/build/build_deepep.sh <source> <dest>` and put <dest> on PYTHONPATH (docs/deepep.md)"
     )
 
 

@@ -6,7 +6,7 @@ gradient only in bf16 (the inputs' dtype). torch has no single kernel for "add a
 the reverse of an fp32 one": a reversed copy plus one add, or one add per expert, reads and writes
 more than the 10 bytes per parameter the sum needs (bf16 in, fp32 in, fp32 out). On the reference
 config (3.02 B expert parameters) the add per expert takes 14.2 ms per step on one H200, the
-reversed copy plus one add 17.5 ms, this kernel 7.1 ms (``tools/kernel_timings.py``).
+reversed copy plus one add 17.5 ms, this kernel 7.1 ms (``tools/bench/kernel_timings.py``).
 
 :func:`add_reversed` does it in one kernel, each program adding a block of one expert's gradient
 into its row of the reversed stack. The sum is ``float(main) + float(bf16)``, rounded once, as

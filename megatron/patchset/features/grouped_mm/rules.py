@@ -224,7 +224,7 @@ def _full_iteration_graphs_timers(args):
         "captured step, and "
         'the capture fails ("operation not permitted when stream is capturing"). Use '
         "--timing-log-level 0; "
-        "tools/bench.py --time-fwd-bwd times forward-backward around the graph."
+        "tools/bench/bench.py --time-fwd-bwd times forward-backward around the graph."
     )
 
 

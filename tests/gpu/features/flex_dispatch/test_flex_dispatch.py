@@ -6,8 +6,8 @@ outputs in a different order and their grouped GEMMs see the tokens in a differe
 results differ by bf16 rounding, which training then carries along. Over 20 iterations every
 iteration's loss must agree within 1% (relative) and the first iteration's within 0.2%.
 
-DeepEP is built from source (tools/build_deepep.sh, docs/deepep.md); the DeepEP test skips when
-``deep_ep`` is not importable. The NCCL EP test skips when the loaded NCCL is older than
+DeepEP is built from source (tools/build/build_deepep.sh, docs/deepep.md); the DeepEP test skips
+when ``deep_ep`` is not importable. The NCCL EP test skips when the loaded NCCL is older than
 TransformerEngine 2.20.2's libnccl_ep.so needs (2.32.3; load a newer one with LD_PRELOAD) or when
 NCCL EP's kernel JIT would not find that NCCL's headers (NCCL_INCLUDE=<include folder>, passed on
 as NCCL_EP_JIT_BUILD_INCLUDE_DIR), and a further test checks that pretrain_gpt.py on the old NCCL
@@ -84,7 +84,7 @@ def announced(run, backend):
 def test_deepep_matches_alltoall(tmp_path):
     if importlib.util.find_spec("deep_ep") is None:
         pytest.skip(
-            "deep_ep is not importable: build it with tools/build_deepep.sh (docs/deepep.md)"
+            "deep_ep is not importable: build it with tools/build/build_deepep.sh (docs/deepep.md)"
         )
     run = launch(tmp_path, "flex_deepep", 2, tiny_argv(*COMMON, *DEEPEP))
     assert announced(run, "deepep"), "the run did not build DeepEP's dispatcher"

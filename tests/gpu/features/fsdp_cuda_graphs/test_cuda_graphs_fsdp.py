@@ -106,7 +106,7 @@ def runs(tmp_path_factory):
                 nproc=1,
                 argv=argv("1gpu", "attn"),
                 env=ENV,
-                entry=[os.path.join(ROOT, "tools", "run_upstream.py"), UPSTREAM_SCRIPT],
+                entry=[os.path.join(ROOT, "tools", "bench", "run_upstream.py"), UPSTREAM_SCRIPT],
                 check=False,
             )
         )

@@ -74,7 +74,9 @@ def _hybridep_problem():
     try:
         from deep_ep import HybridEPBuffer  # noqa: F401
     except Exception as exc:  # ImportError or a broken build
-        return f"DeepEP hybrid-ep is not importable ({exc}); build it with tools/build_deepep.sh"
+        return (
+            f"DeepEP hybrid-ep is not importable ({exc}); build it with tools/build/build_deepep.sh"
+        )
     return None
 
 

@@ -4,7 +4,7 @@ Megatron-FSDP; no recompile after warm-up (the run would fail: strict mode), and
 graph-break counts are printed from the run's metrics file.
 
 All six runs start at once (they share the GPUs): this checks numerics and recompiles; the
-benchmark (tools/bench.py) measures time."""
+benchmark (tools/bench/bench.py) measures time."""
 
 import math
 

@@ -25,7 +25,7 @@ def test_probe_reports_missing_package_with_the_pinned_revision(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # import deep_ep -> ImportError
     message = probes.probe_deep_ep("deepep")
     assert "import deep_ep" in message or "does not import" in message
-    assert probes.DEEPEP_REVISION[:7] in message and "tools/build_deepep.sh" in message
+    assert probes.DEEPEP_REVISION[:7] in message and "tools/build/build_deepep.sh" in message
 
 
 def test_probe_surfaces_the_original_import_error(deep_ep_package):

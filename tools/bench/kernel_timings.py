@@ -3,7 +3,7 @@
 CUDA graph (one GPU; the shapes are the reference config's: 5 layers, 128 experts of 2048 -> 2x768
 -> 2048, 3.72 B parameters in 1,318 tensors).
 
-    python tools/kernel_timings.py [--reps 10]
+    python tools/bench/kernel_timings.py [--reps 10]
 
 Prints one line per pass:
 
@@ -26,7 +26,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 EXPERTS, LAYERS = 128, 5
 EXPERT_SHAPES = ((1536, 2048), (2048, 768))  # fc1 (gated), fc2: (out, in)
@@ -228,13 +228,15 @@ def adam_step_and_copy(reps: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="tools/bench/kernel_timings.py", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--reps", type=int, default=10, help="Graph replays per timing.")
     opts = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit("kernel_timings.py: needs a CUDA GPU")
+        sys.exit("tools/bench/kernel_timings.py: needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for measure in (
         weight_gradient_accumulation,

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Train torchtitan's Qwen3-MoE model on the shape of a megatron flag file, for tools/bench.py.
+"""Train torchtitan's Qwen3-MoE model on the shape of a megatron flag file, for
+tools/bench/bench.py.
 
-    torchrun --nproc-per-node 1 tools/peers/torchtitan_runner.py \\
+    torchrun --nproc-per-node 1 tools/bench/peers/torchtitan_runner.py \\
         $(grep -v '^#' examples/configs/reference_moe.args) --train-iters 12 \\
         --tt-compile --tt-cuda-graphs
 
 Every argument not starting with ``--tt-`` is a megatron flag: the runner parses and validates
-them with megatron's own parser (``tools/peers/shape.py``) and builds from them torchtitan's
+them with megatron's own parser (``tools/bench/peers/shape.py``) and builds from them torchtitan's
 Qwen3-MoE decoder with the same layer shape, depth, vocabulary (megatron's padded one),
 sequence length, micro- and global batch, and AdamW with the same learning-rate schedule,
 weight decay (none on norm weights, as megatron), betas, epsilon and gradient clipping. What
@@ -41,7 +42,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 for path in (HERE, ROOT):
     if path not in sys.path:
         sys.path.insert(0, path)

@@ -1,7 +1,7 @@
 """What a peer framework needs from a megatron flag file, without the peer installed.
 
-``tools/bench.py`` runs peers (``tools/peers/torchtitan_runner.py``) on the same flag file as
-megatron. This module turns that flag file into what a peer trains:
+``tools/bench/bench.py`` runs peers (``tools/bench/peers/torchtitan_runner.py``) on the same flag
+file as megatron. This module turns that flag file into what a peer trains:
 
 - :func:`megatron_args` parses and validates the flags with megatron's own parser (the fork's
   flags included), as ``pretrain_gpt.py`` would, and fills in the padded vocabulary;
@@ -11,7 +11,7 @@ megatron. This module turns that flag file into what a peer trains:
 - :func:`iteration_flops` is megatron's own FLOP count of one iteration
   (``num_floating_point_operations``), so a peer's TFLOP/s and MFU use the same formula;
 - :func:`iteration_record` builds one metrics line in the format of
-  ``megatron/patchset/core/observe/metrics.py``, so ``tools/bench.py`` summarizes a peer's run
+  ``megatron/patchset/core/observe/metrics.py``, so ``tools/bench/bench.py`` summarizes a peer's run
   with the same code as megatron's;
 - :class:`SyntheticTokens` is the token stream of megatron's ``--mock-data`` (documents of
   random length whose tokens count up from 1, each closed by an end-of-document token),

@@ -1,8 +1,8 @@
 """Run an upstream Megatron-LM entry script unmodified against the megatron-core wheel.
 
-    torchrun ... tools/run_upstream.py /path/to/Megatron-LM/pretrain_gpt.py <megatron flags>
+    torchrun ... tools/bench/run_upstream.py /path/to/Megatron-LM/pretrain_gpt.py <megatron flags>
 
-This is the "unpatched upstream" baseline of the GPU tests and ``tools/bench.py``: only the
+This is the "unpatched upstream" baseline of the GPU tests and ``tools/bench/bench.py``: only the
 registry's ``compat`` patches (what any script needs to run from the wheel at all, e.g. the
 dataset helpers build) and ``observe`` patches (``MEGATRON_PATCHSET_METRICS`` recording) are
 applied; no fork feature is. The script's folder goes first on ``sys.path`` so that its sibling
@@ -18,10 +18,12 @@ import sys
 
 def main() -> None:
     if len(sys.argv) < 2 or not sys.argv[1].endswith(".py"):
-        sys.exit("usage: run_upstream.py /path/to/Megatron-LM/<script>.py [megatron flags]")
+        sys.exit(
+            "usage: tools/bench/run_upstream.py /path/to/Megatron-LM/<script>.py [megatron flags]"
+        )
     script = os.path.abspath(sys.argv[1])
     if not os.path.exists(script):
-        sys.exit(f"run_upstream.py: {script} does not exist")
+        sys.exit(f"tools/bench/run_upstream.py: {script} does not exist")
     sys.argv = [script] + sys.argv[2:]
     sys.path.insert(0, os.path.dirname(script))
 

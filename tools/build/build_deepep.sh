@@ -3,7 +3,7 @@
 # source archive, for the local torch, against the NVSHMEM pip wheel that torch cu13 installs,
 # and install it into DEST (put DEST on PYTHONPATH). See docs/deepep.md.
 #
-#   bash tools/build_deepep.sh SRC DEST
+#   bash tools/build/build_deepep.sh SRC DEST
 #
 #   SRC   a DeepEP source tree, or a .tar/.tar.gz of one (e.g. `git archive` output: its commit
 #         is read from the archive and checked against DEEPEP_EXPECT_REVISION when that is set)
@@ -37,7 +37,7 @@ BUILD_DIR=${BUILD_DIR:-/tmp/deepep-build}
 started=$(date +%s)
 
 say() { echo "build_deepep: $*"; }
-die() { echo "build_deepep: error: $*" >&2; exit 1; }
+die() { echo "tools/build/build_deepep.sh: error: $*" >&2; exit 1; }
 
 [ -x "$CUDA_HOME/bin/nvcc" ] || die "no nvcc at CUDA_HOME=$CUDA_HOME/bin/nvcc (set CUDA_HOME to a CUDA 13 toolkit)"
 command -v "$PYTHON" >/dev/null || die "python interpreter '$PYTHON' not found (set PYTHON)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Side-by-side training benchmark: named variants of one config, on the same GPUs, in one run.
 
-    python tools/bench.py --config examples/configs/reference_moe.args --nproc 1 \\
+    python tools/bench/bench.py --config examples/configs/reference_moe.args --nproc 1 \\
         --variant upstream \\
         --variant "graphs-attn=--cuda-graph-impl transformer_engine --cuda-graph-modules attn"
 
@@ -9,10 +9,9 @@ Every variant trains the config through ``pretrain_gpt.py`` under ``torchrun`` f
 iterations with ``MEGATRON_PATCHSET_METRICS`` set, so megatron's own training loop records
 each iteration's exact loss, wall-clock time, FLOPs (megatron's formula) and memory. The
 variant named ``upstream`` is the baseline: unpatched megatron-core (``MEGATRON_PATCHSET=off``,
-or Megatron-LM's own script through ``tools/run_upstream.py`` with ``--upstream-script``); so is
-any variant named ``upstream-...``, with upstream flags of its own
-(``upstream-graphs=--cuda-graph-impl
-transformer_engine``).
+or Megatron-LM's own script through ``tools/bench/run_upstream.py`` with ``--upstream-script``);
+so is any variant named ``upstream-...``, with upstream flags of its own
+(``upstream-graphs=--cuda-graph-impl transformer_engine``).
 
 Per variant it prints: median step time after ``--warmup`` iterations, tokens/s, model
 TFLOP/s per GPU and MFU against the GPU's bf16 peak, peak memory (max over ranks), final loss
@@ -25,7 +24,7 @@ barrier across ranks: the last rank's time), which also times a full-iteration C
 time, MFU, memory and loss curves) into ``--out``.
 
 A variant named ``torchtitan`` or ``torchtitan-...`` trains torchtitan's Qwen3-MoE model on the
-same flag file instead (``tools/peers/torchtitan_runner.py``: same shape, batch, optimizer and
+same flag file instead (``tools/bench/peers/torchtitan_runner.py``: same shape, batch, optimizer and
 learning-rate schedule, synthetic tokens distributed as megatron's mock data, the same metrics
 records and FLOP formula); its ``--tt-...`` flags choose torchtitan's options
 (``--variant "torchtitan=--tt-compile --tt-cuda-graphs"``). It needs ``pip install
@@ -57,7 +56,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 from megatron.patchset.core import argsfile  # noqa: E402
@@ -454,7 +454,7 @@ def format_pooled_table(pooled: list[dict]) -> str:
     return trace_summary.markdown_table(table)
 
 
-PEER_RUNNERS = {"torchtitan": os.path.join(ROOT, "tools", "peers", "torchtitan_runner.py")}
+PEER_RUNNERS = {"torchtitan": os.path.join(HERE, "peers", "torchtitan_runner.py")}
 
 
 def peer_runner(name: str) -> str | None:
@@ -560,7 +560,9 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="tools/bench/bench.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--config",
@@ -625,7 +627,7 @@ def main(argv=None) -> int:
         "--upstream-script",
         default=None,
         help="Megatron-LM's pretrain_gpt.py: the 'upstream' variant runs it through "
-        "tools/run_upstream.py instead of this repo's script with MEGATRON_PATCHSET=off.",
+        "tools/bench/run_upstream.py instead of this repo's script with MEGATRON_PATCHSET=off.",
     )
     p.add_argument(
         "--numa-binding",
@@ -703,7 +705,7 @@ def main(argv=None) -> int:
                 entry = [peer]
             elif is_upstream(name, flags):
                 if opts.upstream_script:
-                    entry = [os.path.join(ROOT, "tools", "run_upstream.py"), opts.upstream_script]
+                    entry = [os.path.join(HERE, "run_upstream.py"), opts.upstream_script]
                 else:
                     entry = [os.path.join(ROOT, "pretrain_gpt.py")]
                     env["MEGATRON_PATCHSET"] = "off"

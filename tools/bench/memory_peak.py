@@ -2,8 +2,8 @@
 """What is allocated at the memory peak, by call site, from a megatron memory snapshot.
 
     python pretrain_gpt.py ... --record-memory-history --memory-snapshot-path b.pickle
-    python tools/memory_peak.py b.pickle                 # the peak and its largest call sites
-    python tools/memory_peak.py b.pickle c.pickle        # c's peak against b's, site by site
+    python tools/bench/memory_peak.py b.pickle                 # the peak and its largest call sites
+    python tools/bench/memory_peak.py b.pickle c.pickle        # c's peak against b's, site by site
 
 Megatron (``--record-memory-history``) records the caching allocator's alloc/free trace with
 Python stacks and, at every log interval, the last rank dumps ``torch.cuda.memory._snapshot()``.
@@ -105,7 +105,9 @@ def report(paths: list[str], top: int, device: int, out=sys.stdout) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="tools/bench/memory_peak.py", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "snapshots",
         nargs="+",

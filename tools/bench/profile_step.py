@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Where the host time of one training step goes: one iteration under torch.profiler.
 
-    python tools/profile_step.py --config examples/configs/reference_moe.args --nproc 1 \\
+    python tools/bench/profile_step.py --config examples/configs/reference_moe.args --nproc 1 \\
         [--set FLAG=VALUE ...] [--flags "..."] [--upstream] --warmup 5 --out prof-out
 
-Trains the config through ``pretrain_gpt.py`` under ``torchrun`` (as ``tools/bench.py`` does,
+Trains the config through ``pretrain_gpt.py`` under ``torchrun`` (as ``tools/bench/bench.py`` does,
 with its helpers) for ``--warmup`` + 1 iterations, with ``MEGATRON_PATCHSET_PROFILE`` set so
 that the observe patch ``training.observe_train_step`` (``megatron.patchset.core.observe.profile``)
 runs the last iteration under ``torch.profiler`` with labels on megatron's attention, router,
@@ -28,9 +28,10 @@ import shlex
 import statistics
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, HERE)
 
 import bench  # noqa: E402
 
@@ -109,7 +110,9 @@ def report(summary: dict, extra: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="tools/bench/profile_step.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--config", type=argsfile.existing_file, help="flag file (examples/configs/*.args)"

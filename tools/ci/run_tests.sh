@@ -2,10 +2,10 @@
 # The test command: create .venv (Python >= 3.12 with the pinned CPU stack) when it is missing
 # or stale, then run ruff (lint and format check, the repository's config) and the CPU test tier.
 # Extra arguments go to pytest (and skip ruff), e.g.
-#   bash tools/run_tests.sh -k registry          # a subset
-#   bash tools/run_tests.sh tests/gpu            # the GPU tier (skips without GPUs)
+#   bash tools/ci/run_tests.sh -k registry          # a subset
+#   bash tools/ci/run_tests.sh tests/gpu            # the GPU tier (skips without GPUs)
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 version_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
 
@@ -27,14 +27,14 @@ find_python() {
 
 stamp=$(cat requirements/ci.txt | sha256sum | cut -c1-16)
 if [ ! -x .venv/bin/python ] || ! version_ok .venv/bin/python || [ "$(cat .venv/.requirements-stamp 2>/dev/null)" != "$stamp" ]; then
-  py=$(find_python) || { echo "run_tests.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
+  py=$(find_python) || { echo "tools/ci/run_tests.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
   # The pinned torch is a CUDA build: about 4.7 GB in the venv. Say so before pip runs out of space.
   free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
   if [ "${free_kb:-0}" -lt $((6 * 1024 * 1024)) ]; then
-    echo "run_tests.sh: $(( ${free_kb:-0} / 1024 )) MiB free on $(df -P . | awk 'NR==2 {print $6}'); the venv needs about 6 GiB" >&2
+    echo "tools/ci/run_tests.sh: $(( ${free_kb:-0} / 1024 )) MiB free on $(df -P . | awk 'NR==2 {print $6}'); the venv needs about 6 GiB" >&2
     exit 1
   fi
-  echo "run_tests.sh: creating .venv with $py ($("$py" --version))"
+  echo "tools/ci/run_tests.sh: creating .venv with $py ($("$py" --version))"
   rm -rf .venv
   "$py" -m venv .venv
   # No pip cache: it would hold a second copy of the torch wheel (2.5 GB) next to the venv.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download torchtitan and the packages its model, trainer components and compile/CUDA-graph
-# helpers import (tools/peers/torchtitan_runner.py's import closure, torch excluded) as wheels
+# helpers import (tools/bench/peers/torchtitan_runner.py's import closure, torch excluded) as wheels
 # into .gpu/peers, for a GPU machine that reaches no package registry. There:
 #
 #   pip install --no-index --no-deps --target /tmp/site .gpu/peers/*.whl
@@ -11,10 +11,10 @@
 # and loggers, which the runner does not use; `pip install .[bench-peers]` installs all of it on
 # a machine with a registry.
 #
-#   bash tools/peers/prepare_wheels.sh            # into .gpu/peers
-#   OUT=/some/dir bash tools/peers/prepare_wheels.sh
+#   bash tools/bench/peers/prepare_wheels.sh            # into .gpu/peers
+#   OUT=/some/dir bash tools/bench/peers/prepare_wheels.sh
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
 OUT=${OUT:-.gpu/peers}
 PIP=${PIP:-$( [ -x .venv/bin/pip ] && echo .venv/bin/pip || echo pip )}
 PACKAGES=(
@@ -30,8 +30,8 @@ if [ "$OUT" = .gpu/peers ] && ! grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null
   echo '/.gpu/' >> .git/info/exclude
 fi
 total=$(du -sk "$OUT" | cut -f1)
-echo "prepare_wheels.sh: $(ls "$OUT"/*.whl | wc -l) wheels, $((total / 1024)) MiB in $OUT"
+echo "tools/bench/peers/prepare_wheels.sh: $(ls "$OUT"/*.whl | wc -l) wheels, $((total / 1024)) MiB in $OUT"
 if [ "$total" -gt $((64 * 1024)) ]; then
-  echo "prepare_wheels.sh: more than 64 MiB: one copy to the GPU machine cannot carry it" >&2
+  echo "tools/bench/peers/prepare_wheels.sh: more than 64 MiB: one copy to the GPU machine cannot carry it" >&2
   exit 1
 fi
