@@ -9,7 +9,7 @@
 #   DRY_RUN=1 bash examples/pretrain_moe_deepep.sh             # check the flags, no GPU
 #
 # DeepEP is built from source, never installed from a registry (docs/deepep.md):
-#   bash tools/build_deepep.sh <DeepEP 567632d source or archive> /opt/deepep && DEEPEP_PATH=/opt/deepep ...
+#   bash tools/build/build_deepep.sh <DeepEP 567632d source or archive> /opt/deepep && DEEPEP_PATH=/opt/deepep ...
 # NCCL EP: NCCL_LIB=<path to libnccl.so.2 of nvidia-nccl-cu13 2.32.3> is preloaded in place of torch's,
 # and NCCL_INCLUDE=<folder with that NCCL's nccl.h and nccl_device.h> is exported as
 # NCCL_EP_JIT_BUILD_INCLUDE_DIR: NCCL EP compiles its kernels with nvcc at the first dispatch.
@@ -33,7 +33,7 @@ BACKEND=${BACKEND:-deepep}          # deepep | hybridep | ncclep | alltoall
 NUM_SMS=${NUM_SMS:-}                # --moe-flex-dispatcher-num-sms (DeepEP default 20)
 RANK_CAPACITY=${RANK_CAPACITY:-2.0} # ncclep/hybridep: --moe-expert-rank-capacity-factor
 TRAIN_ITERS=${TRAIN_ITERS:-50}
-DEEPEP_PATH=${DEEPEP_PATH:-}        # DEST of tools/build_deepep.sh
+DEEPEP_PATH=${DEEPEP_PATH:-}        # DEST of tools/build/build_deepep.sh
 NCCL_LIB=${NCCL_LIB:-}              # libnccl.so.2 >= 2.32.3 for ncclep
 NCCL_INCLUDE=${NCCL_INCLUDE:-}      # ncclep: NCCL headers of NCCL_LIB's version (NCCL EP's kernel JIT)
 choice_knob BACKEND deepep hybridep ncclep alltoall

@@ -17,7 +17,7 @@
 # (LD_PRELOAD=<libnccl.so.2>) and its headers for NCCL EP's kernel JIT (NCCL_INCLUDE=<include dir>,
 # exported here as NCCL_EP_JIT_BUILD_INCLUDE_DIR); the launch checks both. NCCL EP cannot drop
 # tokens (exceeding the budget traps the kernel), hence the larger default CAPACITY.
-# BACKEND=hybridep: DeepEP's hybrid-ep branch built from source (tools/build_deepep.sh, on
+# BACKEND=hybridep: DeepEP's hybrid-ep branch built from source (tools/build/build_deepep.sh, on
 # PYTHONPATH); takes fp32 router probabilities.
 # When a step overflows the stash (or HybridEP's receive budget), megatron re-runs it without
 # paging (HybridEP: and without the budget) and the run prints a line starting
