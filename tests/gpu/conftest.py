@@ -23,6 +23,8 @@ TINY = os.path.join(ROOT, "examples", "configs", "tiny_moe.args")
 UPSTREAM_SCRIPT = os.environ.get(
     "MEGATRON_LM_PRETRAIN_GPT", os.path.join(ROOT, ".upstream", "megatron-lm", "pretrain_gpt.py")
 )
+# Megatron-LM's own script, unmodified: entry=[UPSTREAM_ENTRY, UPSTREAM_SCRIPT].
+UPSTREAM_ENTRY = os.path.join(ROOT, "tools", "bench", "run_upstream.py")
 
 
 def gpu_count() -> int:
@@ -105,8 +107,11 @@ class _Job:
         environ.update(self.env)
         environ["MEGATRON_PATCHSET_METRICS"] = self.metrics
         environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        environ["PYTHONPATH"] = ROOT + os.pathsep + environ.get("PYTHONPATH", "")
         entry = entry or [os.path.join(ROOT, "pretrain_gpt.py")]
+        paths = [ROOT, environ.get("PYTHONPATH")]
+        if entry[0] == UPSTREAM_ENTRY:  # the script's folder first, for its sibling modules
+            paths.insert(0, os.path.dirname(os.path.abspath(entry[1])))
+        environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         cmd = [
             sys.executable,
             "-m",

@@ -6,7 +6,13 @@ import os
 
 import pytest
 
-from tests.gpu.conftest import UPSTREAM_SCRIPT, first_difference, launch, tiny_argv
+from tests.gpu.conftest import (
+    UPSTREAM_ENTRY,
+    UPSTREAM_SCRIPT,
+    first_difference,
+    launch,
+    tiny_argv,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -54,15 +60,7 @@ def test_fork_matches_unpatched_upstream(tmp_path):
         "tiny_upstream",
         1,
         argv,
-        entry=[
-            os.path.join(
-                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                "tools",
-                "bench",
-                "run_upstream.py",
-            ),
-            UPSTREAM_SCRIPT,
-        ],
+        entry=[UPSTREAM_ENTRY, UPSTREAM_SCRIPT],
     )
     assert len(fork.losses) == len(upstream.losses) == 20
     assert first_difference(fork.losses, upstream.losses) is None

@@ -56,14 +56,13 @@ import subprocess
 import sys
 import time
 
+from megatron.patchset.core import argsfile
+from megatron.patchset.core.observe import trace_summary
+from megatron.patchset.core.observe.metrics import FWD_BWD_ENV
+from megatron.patchset.core.observe.profile import PROFILE_ENV
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
-
-from megatron.patchset.core import argsfile  # noqa: E402
-from megatron.patchset.core.observe import trace_summary  # noqa: E402
-from megatron.patchset.core.observe.metrics import FWD_BWD_ENV  # noqa: E402
-from megatron.patchset.core.observe.profile import PROFILE_ENV  # noqa: E402
 
 # Dense bf16 matrix-multiply rate used as the MFU denominator, TFLOP/s. For Hopper it is the
 # rate measured on H100 and H200 GPUs (788-798 TFLOP/s for 8192^3 bf16 GEMMs); the
@@ -227,7 +226,10 @@ def run_variant(
     env.update(env_extra)
     env["MEGATRON_PATCHSET_METRICS"] = metrics
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # The variant's own PYTHONPATH (Megatron-LM's folder for --upstream-script), this checkout,
+    # then the caller's.
+    paths = (env_extra.get("PYTHONPATH"), ROOT, os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     cmd = [
         sys.executable,
         "-m",
@@ -706,6 +708,7 @@ def main(argv=None) -> int:
             elif is_upstream(name, flags):
                 if opts.upstream_script:
                     entry = [os.path.join(HERE, "run_upstream.py"), opts.upstream_script]
+                    env["PYTHONPATH"] = os.path.dirname(os.path.abspath(opts.upstream_script))
                 else:
                     entry = [os.path.join(ROOT, "pretrain_gpt.py")]
                     env["MEGATRON_PATCHSET"] = "off"

@@ -23,10 +23,7 @@ Prints one line per pass:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 EXPERTS, LAYERS = 128, 5
 EXPERT_SHAPES = ((1536, 2048), (2048, 768))  # fc1 (gated), fc2: (out, in)

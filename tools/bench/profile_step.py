@@ -28,15 +28,12 @@ import shlex
 import statistics
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
+import bench  # a sibling: this script's folder is on sys.path
 
-import bench  # noqa: E402
+from megatron.patchset.core import argsfile
+from megatron.patchset.core.observe import profile, trace_summary
 
-from megatron.patchset.core import argsfile  # noqa: E402
-from megatron.patchset.core.observe import profile, trace_summary  # noqa: E402
+ROOT = bench.ROOT
 
 
 def build_argv(config: str, sets: list, flags: str, iters: int) -> list[str]:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command: create .venv (Python >= 3.12 with the pinned CPU stack) when it is missing
-# or stale, then run ruff (lint and format check, the repository's config) and the CPU test tier.
+# or stale, install this project into it (editable: the tools import megatron.patchset as an
+# installed package), then run ruff (lint and format check, the repository's config) and the CPU
+# test tier.
 # Extra arguments go to pytest (and skip ruff), e.g.
 #   bash tools/ci/run_tests.sh -k registry          # a subset
 #   bash tools/ci/run_tests.sh tests/gpu            # the GPU tier (skips without GPUs)
@@ -41,6 +43,14 @@ if [ ! -x .venv/bin/python ] || ! version_ok .venv/bin/python || [ "$(cat .venv/
   .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
   .venv/bin/python -m pip install -q --no-cache-dir -r requirements/ci.txt
   echo "$stamp" > .venv/.requirements-stamp
+fi
+
+# The project, editable (megatron.patchset from this checkout, beside the wheel's megatron.core
+# and megatron.training), again whenever its packaging changes: an existing .venv picks it up.
+project=$(cat setup.py pyproject.toml | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.project-stamp 2>/dev/null)" != "$project" ]; then
+  .venv/bin/python -m pip install -q --no-cache-dir --no-deps --no-build-isolation -e .
+  echo "$project" > .venv/.project-stamp
 fi
 
 # Inductor's cache (the compile tests) stays inside the venv instead of growing in /tmp.

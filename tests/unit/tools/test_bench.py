@@ -1,18 +1,12 @@
 """tools/bench/bench.py's reduction of metrics to its table, flag files, and the metrics patch."""
 
-import importlib.util
 import json
 import os
 
+import bench
 import pytest
 
-from tests.unit.conftest import ROOT, TINY
-
-spec = importlib.util.spec_from_file_location(
-    "bench", os.path.join(ROOT, "tools", "bench", "bench.py")
-)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from tests.unit.conftest import TINY
 
 
 def records(times, losses, flops=2.0e15, tokens=16384, world=2):

@@ -5,7 +5,7 @@ call sites, the comparison."""
 import io
 import pickle
 
-from tools.bench import memory_peak
+import memory_peak
 
 GIB = 1024**3
 

@@ -3,33 +3,19 @@ records and synthetic tokens, tools/bench/bench.py's peer variants, and (with to
 the torchtitan model built from a flag file."""
 
 import contextlib
-import importlib.util
 import io
 import os
-import sys
 
+import bench
 import numpy as np
 import pytest
+import shape
+import torchtitan_runner as runner
 
 from megatron.patchset.core import argsfile
 from tests.unit.conftest import REFERENCE, ROOT, TINY
 
 PEERS = os.path.join(ROOT, "tools", "bench", "peers")
-
-
-def load(name, path):
-    """The module at ``path`` under ``name`` (registered: the runner imports ``shape`` by name)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-shape = load("shape", os.path.join(PEERS, "shape.py"))
-bench = load("bench", os.path.join(ROOT, "tools", "bench", "bench.py"))
 
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
@@ -155,7 +141,6 @@ def test_bench_runs_peer_variants_through_their_runner():
 
 
 def test_runner_splits_its_flags_from_megatrons():
-    runner = load("torchtitan_runner", os.path.join(PEERS, "torchtitan_runner.py"))
     ours, theirs = runner.split_argv(
         ["--num-layers", "2", "--tt-compile", "--tt-attention", "varlen", "--tt-ac=full", "--bf16"]
     )
@@ -164,7 +149,6 @@ def test_runner_splits_its_flags_from_megatrons():
 
 
 def test_runner_refuses_graphs_with_a_host_synchronising_dispatcher():
-    runner = load("torchtitan_runner", os.path.join(PEERS, "torchtitan_runner.py"))
     args = shape.megatron_args(
         argsfile.read(TINY) + NO_DROPOUT + ["--expert-model-parallel-size", "2"], world_size=2
     )
@@ -188,7 +172,6 @@ def test_torchtitan_model_has_megatrons_parameter_count(config):
 
     from megatron.patchset.core.dry_run import count_parameters, target_device
 
-    runner = load("torchtitan_runner", os.path.join(PEERS, "torchtitan_runner.py"))
     args = shape.megatron_args(argsfile.read(config) + NO_DROPOUT)
     with target_device(), contextlib.redirect_stdout(io.StringIO()):
         total, _active = count_parameters(args, core_transformer_config_from_args(args))
@@ -208,7 +191,6 @@ def test_on_torch_before_2_12_more_than_one_rank_takes_torchtitans_partial_dtens
     """torchtitan's default backend (spmd_types) builds torch 2.12's DataParallelMeshDims on a mesh
     of more than one rank; on an older torch the runner picks partial_dtensor there, and leaves
     torchtitan's default on one rank, on a newer torch, and when a backend is asked for."""
-    runner = load("torchtitan_runner", os.path.join(PEERS, "torchtitan_runner.py"))
     assert runner.spmd_backend(None, True, 2) == "partial_dtensor"
     assert runner.spmd_backend(None, True, 1) is None
     assert runner.spmd_backend(None, False, 2) is None

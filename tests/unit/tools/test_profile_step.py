@@ -1,19 +1,13 @@
 """tools/bench/profile_step.py: its torchrun command line and its Markdown report."""
 
-import importlib.util
 import os
 
+import profile_step
 import pytest
 
 from megatron.patchset.core.observe import labels, profile, trace_summary
 from tests.unit.conftest import ROOT
 from tests.unit.core.observe.traces import synthetic_trace
-
-spec = importlib.util.spec_from_file_location(
-    "profile_step", os.path.join(ROOT, "tools", "bench", "profile_step.py")
-)
-profile_step = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(profile_step)
 
 
 def test_profile_request_and_tool_argv(monkeypatch):

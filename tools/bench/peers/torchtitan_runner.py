@@ -41,13 +41,7 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-for path in (HERE, ROOT):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-import shape as peer_shape  # noqa: E402
+import shape as peer_shape  # a sibling: this script's folder is on sys.path
 
 ATTENTION_BACKENDS = ("flex", "flex_flash", "varlen")
 MOE_COMM_BACKENDS = ("standard", "deepep", "hybridep", "minimal_async_ep")

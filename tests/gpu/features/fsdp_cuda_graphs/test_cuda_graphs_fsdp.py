@@ -19,7 +19,7 @@ import os
 import pytest
 
 from tests.gpu.conftest import (
-    ROOT,
+    UPSTREAM_ENTRY,
     UPSTREAM_SCRIPT,
     first_difference,
     gpu_count,
@@ -106,7 +106,7 @@ def runs(tmp_path_factory):
                 nproc=1,
                 argv=argv("1gpu", "attn"),
                 env=ENV,
-                entry=[os.path.join(ROOT, "tools", "bench", "run_upstream.py"), UPSTREAM_SCRIPT],
+                entry=[UPSTREAM_ENTRY, UPSTREAM_SCRIPT],
                 check=False,
             )
         )
