@@ -266,10 +266,12 @@ def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
         torch.distributed.destroy_process_group()
 
 
-def _padded_vocab(args: argparse.Namespace) -> str | None:
-    """Set args.padded_vocab_size as megatron's tokenizer set-up would; returns a note when the
-    tokenizer cannot be loaded here but will be at launch (a Hugging Face hub id), else None.
-    Raises :class:`preflight.PreflightError` for a tokenizer that cannot be built at all."""
+def fill_padded_vocab_size(args: argparse.Namespace) -> str | None:
+    """Set ``args.padded_vocab_size`` (unless set) as megatron's tokenizer set-up would, for
+    megatron's parsed and validated arguments: the dry-run and the peers of
+    ``tools/bench/bench.py`` size the embedding with it. Returns a note when the tokenizer cannot
+    be loaded here but will be at launch (a Hugging Face hub id), else None. Raises
+    :class:`preflight.PreflightError` for a tokenizer that cannot be built at all."""
     if getattr(args, "padded_vocab_size", None):
         return None
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
@@ -313,7 +315,7 @@ def _checked_args(extra_args_provider: Callable):
     with contextlib.redirect_stdout(io.StringIO()):
         preflight.megatron_validated(lambda: validate_args(args, {}))
         config = preflight.megatron_validated(lambda: core_transformer_config_from_args(args))
-    notes = [note for note in [_padded_vocab(args)] if note]
+    notes = [note for note in [fill_padded_vocab_size(args)] if note]
     rules.validate(args, "combination", config=config)
     patches = registry.selected(args)
     return args, config, patches, notes

@@ -55,6 +55,22 @@ def test_defaults_megatron_fills_in_are_translated():
     assert s.vocab_size % 128 == 0 and s.vocab_size >= 4096
 
 
+def test_the_peer_takes_the_dry_runs_padded_vocabulary():
+    """The core's public fill_padded_vocab_size pads as megatron does (to a multiple of
+    --make-vocab-size-divisible-by), leaves a size already set alone, and is what the peer's
+    embedding gets."""
+    from megatron.patchset.core.dry_run import fill_padded_vocab_size
+
+    argv = argsfile.override(argsfile.read(TINY) + NO_DROPOUT, "--vocab-size", "1000")
+    args = shape.megatron_args(argv)
+    assert args.padded_vocab_size == 1024 and shape.shape_from_args(args).vocab_size == 1024
+    args.padded_vocab_size = None
+    args.make_vocab_size_divisible_by = 300
+    assert fill_padded_vocab_size(args) is None and args.padded_vocab_size == 1200
+    args.make_vocab_size_divisible_by = 7
+    assert fill_padded_vocab_size(args) is None and args.padded_vocab_size == 1200
+
+
 @pytest.mark.parametrize(
     "extra, reason",
     [

@@ -88,7 +88,7 @@ def megatron_args(argv: list[str], world_size: int = 1) -> argparse.Namespace:
     machine has none (the dry-run's emulation), so the result does not depend on the machine."""
     from megatron.training.arguments import parse_args, validate_args
 
-    from megatron.patchset.core.dry_run import _padded_vocab, target_device
+    from megatron.patchset.core.dry_run import fill_padded_vocab_size, target_device
     from megatron.patchset.core.flags import add_patchset_args
 
     saved_argv, saved_ws = sys.argv, os.environ.get("WORLD_SIZE")
@@ -99,7 +99,7 @@ def megatron_args(argv: list[str], world_size: int = 1) -> argparse.Namespace:
         args.rank = 0
         with target_device(), contextlib.redirect_stdout(io.StringIO()):
             validate_args(args, {})
-        note = _padded_vocab(args)
+        note = fill_padded_vocab_size(args)
     finally:
         sys.argv = saved_argv
         if saved_ws is None:
