@@ -47,6 +47,7 @@ per direction and its exposed part (no compute kernel running), mean over ranks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -560,7 +561,7 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
     return path
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tools/bench/bench.py",
         description=__doc__,
@@ -670,14 +671,13 @@ def main(argv=None) -> int:
         "an earlier run with the same --out and variants left (for a run cut off after its "
         "variants had finished). Pass --peak-tflops when this machine has no GPU.",
     )
-    opts = p.parse_args(argv)
+    return p
 
-    variants = opts.variant or [("upstream", [])]
-    base_argv = argsfile.read(opts.config)
-    for flag, values in opts.set:
-        base_argv = argsfile.override(base_argv, flag, *values)
-    base_argv = argsfile.override(base_argv, "--train-iters", str(opts.iters))
-    base_argv = argsfile.override(base_argv, "--log-interval", "1")
+
+def parse_options(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked: argparse's errors and the checks between options exit 2."""
+    p = build_parser()
+    opts = p.parse_args(argv)
     if opts.repeat < 1:
         p.error("--repeat must be at least 1")
     if opts.warmup >= opts.iters:
@@ -689,31 +689,60 @@ def main(argv=None) -> int:
         p.error("--profile-iteration must be after the warm-up and at most --iters")
     if opts.profile_iteration is not None and opts.iters - opts.warmup < 2:
         p.error("--profile-iteration needs at least one more timed iteration after the warm-up")
-    sweep_flag, sweep_values = opts.sweep if opts.sweep else (None, [None])
+    return opts
 
-    os.makedirs(opts.out, exist_ok=True)
-    # A rebuilt report cannot know the device of the original run: say so instead of guessing.
-    facts = {"report_only": True} if opts.report_only else device_facts()
-    peak = opts.peak_tflops or default_peak(facts.get("device"))
-    rows = []
-    started = time.time()
+
+def base_argv(opts: argparse.Namespace) -> list[str]:
+    """The config's flags with the --set overrides, --iters and a log line per iteration."""
+    argv = argsfile.read(opts.config)
+    for flag, values in opts.set:
+        argv = argsfile.override(argv, flag, *values)
+    argv = argsfile.override(argv, "--train-iters", str(opts.iters))
+    return argsfile.override(argv, "--log-interval", "1")
+
+
+@dataclasses.dataclass
+class Planned:
+    """One training run of the benchmark: a variant at one sweep value, in one repeat."""
+
+    label: str  # its row: NAME, NAME#k with --repeat, then " FLAG=VALUE" with --sweep
+    name: str  # the label as a file name in --out (metrics, log, profile folder)
+    entry: list[str]  # what torchrun starts: the script and its leading arguments
+    argv: list[str]  # the megatron flags: the config's, then the variant's own
+    flags: list[str]  # the variant's own flags
+    env: dict  # the variant's environment variables
+    sweep_value: str | None
+    profile_dir: str | None
+
+
+def variant_entry(name: str, flags: list[str], upstream_script: str | None) -> tuple[list, dict]:
+    """What torchrun starts for a variant, and the environment that goes with it: a peer's
+    runner, unpatched megatron (this repo's script with MEGATRON_PATCHSET=off, or Megatron-LM's
+    own through run_upstream.py with its folder on PYTHONPATH) or the fork."""
+    peer = peer_runner(name)
+    if peer is not None:
+        return [peer], {}
+    if not is_upstream(name, flags):
+        return [os.path.join(ROOT, "pretrain_gpt.py")], {}
+    if upstream_script:
+        entry = [os.path.join(HERE, "run_upstream.py"), upstream_script]
+        return entry, {"PYTHONPATH": os.path.dirname(os.path.abspath(upstream_script))}
+    return [os.path.join(ROOT, "pretrain_gpt.py")], {"MEGATRON_PATCHSET": "off"}
+
+
+def plan_runs(opts: argparse.Namespace) -> list[Planned]:
+    """Every run in the order it runs: per sweep value, the variants in ``run_order``."""
+    variants = opts.variant or [("upstream", [])]
+    base = base_argv(opts)
+    sweep_flag, sweep_values = opts.sweep if opts.sweep else (None, [None])
+    planned = []
     for value in sweep_values:
         for label, name, flags in run_order(variants, opts.repeat):
             label = label if value is None else f"{label} {sweep_flag[2:]}={value}"
-            argv = base_argv if value is None else argsfile.override(base_argv, sweep_flag, value)
+            argv = base if value is None else argsfile.override(base, sweep_flag, value)
             env, flags = split_env(flags)
-            peer = peer_runner(name)
-            if peer is not None:
-                entry = [peer]
-            elif is_upstream(name, flags):
-                if opts.upstream_script:
-                    entry = [os.path.join(HERE, "run_upstream.py"), opts.upstream_script]
-                    env["PYTHONPATH"] = os.path.dirname(os.path.abspath(opts.upstream_script))
-                else:
-                    entry = [os.path.join(ROOT, "pretrain_gpt.py")]
-                    env["MEGATRON_PATCHSET"] = "off"
-            else:
-                entry = [os.path.join(ROOT, "pretrain_gpt.py")]
+            entry, entry_env = variant_entry(name, flags, opts.upstream_script)
+            env.update(entry_env)
             if opts.time_fwd_bwd:
                 env[FWD_BWD_ENV] = "1"
             safe = label.replace(" ", "_").replace("=", "-").replace("/", "-")
@@ -721,61 +750,73 @@ def main(argv=None) -> int:
             if opts.profile_iteration is not None:
                 profile_dir = os.path.abspath(os.path.join(opts.out, f"{safe}-profile"))
                 env[PROFILE_ENV] = f"{profile_dir}:{opts.profile_iteration}"
-            if opts.report_only:
-                metrics, log = variant_files(opts.out, safe)
-                code = 0 if os.path.exists(metrics) else 2
-            else:
-                print(
-                    f"[bench] {label}: {len(argv) + len(flags)} flags, {opts.nproc} GPU(s) ...",
-                    flush=True,
-                )
-                code, metrics, log = run_variant(
-                    safe,
-                    entry + argv + flags,
-                    env,
-                    opts.nproc,
-                    opts.out,
-                    opts.timeout,
-                    opts.numa_binding,
-                )
-            row = {
-                "variant": label,
-                "flags": flags,
-                "env": env,
-                "exit_code": code,
-                "log": log,
-                "sweep_value": value,
-            }
-            if opts.report_only and code != 0:
-                row["error"] = f"no metrics file {metrics}"
-                print(f"[bench] {label}: {row['error']}", flush=True)
-            elif code != 0 or not os.path.exists(metrics):
-                row["error"] = f"exit code {code}"
-                print(
-                    f"[bench] {label} FAILED (exit {code}); last lines of {log}:\n{tail(log)}",
-                    flush=True,
-                )
-            else:
-                exclude = (opts.profile_iteration,) if opts.profile_iteration is not None else ()
-                try:
-                    row.update(summarize(read_metrics(metrics), opts.warmup, peak, exclude))
-                except ValueError as exc:
-                    row["error"] = str(exc)
-                if profile_dir is not None:
-                    row.update(profile_columns(read_profiles(profile_dir)))
-            rows.append(row)
+            planned.append(
+                Planned(label, safe, entry, argv + flags, flags, env, value, profile_dir)
+            )
+    return planned
 
+
+def run_planned(run: Planned, opts: argparse.Namespace, peak: float | None) -> dict:
+    """Train one planned run (or, with --report-only, find its metrics) and reduce it to its
+    table row."""
+    if opts.report_only:
+        metrics, log = variant_files(opts.out, run.name)
+        code = 0 if os.path.exists(metrics) else 2
+    else:
+        print(f"[bench] {run.label}: {len(run.argv)} flags, {opts.nproc} GPU(s) ...", flush=True)
+        code, metrics, log = run_variant(
+            run.name,
+            run.entry + run.argv,
+            run.env,
+            opts.nproc,
+            opts.out,
+            opts.timeout,
+            opts.numa_binding,
+        )
+    row = {
+        "variant": run.label,
+        "flags": run.flags,
+        "env": run.env,
+        "exit_code": code,
+        "log": log,
+        "sweep_value": run.sweep_value,
+    }
+    if opts.report_only and code != 0:
+        row["error"] = f"no metrics file {metrics}"
+        print(f"[bench] {run.label}: {row['error']}", flush=True)
+    elif code != 0 or not os.path.exists(metrics):
+        row["error"] = f"exit code {code}"
+        print(
+            f"[bench] {run.label} FAILED (exit {code}); last lines of {log}:\n{tail(log)}",
+            flush=True,
+        )
+    else:
+        exclude = (opts.profile_iteration,) if opts.profile_iteration is not None else ()
+        try:
+            row.update(summarize(read_metrics(metrics), opts.warmup, peak, exclude))
+        except ValueError as exc:
+            row["error"] = str(exc)
+        if run.profile_dir is not None:
+            row.update(profile_columns(read_profiles(run.profile_dir)))
+    return row
+
+
+def build_result(
+    opts: argparse.Namespace, facts: dict, peak: float | None, rows: list[dict], started: float
+) -> dict:
+    """What bench.json holds: the run's settings, the device facts and one row per run."""
     title = (
         opts.title or f"{os.path.basename(opts.config)} on {opts.nproc}x {facts.get('device', '?')}"
     )
     result = {
+        "title": title,
         "config": opts.config,
         "nproc": opts.nproc,
         "numa_binding": opts.numa_binding,
         "iters": opts.iters,
         "warmup": opts.warmup,
         "overrides": [[f, v] for f, v in opts.set],
-        "sweep": [sweep_flag, sweep_values] if opts.sweep else None,
+        "sweep": [opts.sweep[0], opts.sweep[1]] if opts.sweep else None,
         "profile_iteration": opts.profile_iteration,
         "peak_tflops": peak,
         "facts": facts,
@@ -783,39 +824,83 @@ def main(argv=None) -> int:
         "repeat": opts.repeat,
         "variants": rows,
     }
-    pooled = pooled_rows(rows) if opts.repeat > 1 else None
-    if pooled is not None:
-        result["pooled"] = pooled
-    with open(os.path.join(opts.out, "bench.json"), "w") as handle:
+    if opts.repeat > 1:
+        result["pooled"] = pooled_rows(rows)
+    return result
+
+
+def write_outputs(result: dict, out_dir: str) -> str | None:
+    """bench.json and the chart (bench.png; None when matplotlib is missing or nothing ran)."""
+    with open(os.path.join(out_dir, "bench.json"), "w") as handle:
         json.dump(result, handle, indent=1)
-    chart = plot(rows, os.path.join(opts.out, "bench.png"), title)
-    print()
-    print(
-        f"{title}; torch {facts.get('torch')}, megatron-core {facts.get('megatron_core')}, "
+    return plot(result["variants"], os.path.join(out_dir, "bench.png"), result["title"])
+
+
+def report_sections(result: dict) -> list[tuple[str, str]]:
+    """The tables of a run as (caption, Markdown table): the variants, then the pooled repeats
+    (--repeat) and the profiled iteration (--profile-iteration) when there are any."""
+    iters, rows = result["iters"], result["variants"]
+    sections = [
+        (
+            f"{iters} iterations, median of the last {iters - result['warmup']}",
+            format_table(rows, result["peak_tflops"]),
+        )
+    ]
+    if result.get("pooled") is not None:
+        sections.append(
+            (
+                f"pooled over {result['repeat']} repeats in mirrored order (ABC CBA ...): median "
+                "of every repeat's timed iterations, each repeat's own median, speed-up against "
+                "the first variant",
+                format_pooled_table(result["pooled"]),
+            )
+        )
+    if result.get("profile_iteration") is not None:
+        sections.append(
+            (
+                f"torch.profiler, iteration {result['profile_iteration']}, mean over ranks: "
+                "pipeline P2P kernel time and the part of it with no compute kernel running "
+                "(exposed); with PP=2 each kernel is also split, against its peer's matching "
+                "kernel, into peer wait (until the peer's kernel starts: the pipeline "
+                "dependency) and transfer (the rest)",
+                format_profile_table(rows),
+            )
+        )
+    return sections
+
+
+def versions_text(facts: dict) -> str:
+    return (
+        f"torch {facts.get('torch')}, megatron-core {facts.get('megatron_core')}, "
         f"transformer-engine {facts.get('transformer_engine')}"
         + (f", torchtitan {facts['torchtitan']}" if facts.get("torchtitan") else "")
-        + f"; {opts.iters} iterations, median of "
-        f"the last {opts.iters - opts.warmup}"
     )
-    print(format_table(rows, peak))
-    if pooled is not None:
+
+
+def print_report(result: dict, out_dir: str, chart: str | None) -> None:
+    (caption, table), *more = report_sections(result)
+    print()
+    print(f"{result['title']}; {versions_text(result['facts'])}; {caption}")
+    print(table)
+    for caption, table in more:
         print()
-        print(
-            f"pooled over {opts.repeat} repeats in mirrored order (ABC CBA ...): median of every "
-            "repeat's timed iterations, each repeat's own median, speed-up against the first "
-            "variant"
-        )
-        print(format_pooled_table(pooled))
-    if opts.profile_iteration is not None:
-        print()
-        print(
-            f"torch.profiler, iteration {opts.profile_iteration}, mean over ranks: pipeline P2P "
-            "kernel time and the part of it with no compute kernel running (exposed); with PP=2 "
-            "each kernel is also split, against its peer's matching kernel, into peer wait (until "
-            "the peer's kernel starts: the pipeline dependency) and transfer (the rest)"
-        )
-        print(format_profile_table(rows))
-    print(f"wrote {os.path.join(opts.out, 'bench.json')}" + (f" and {chart}" if chart else ""))
+        print(caption)
+        print(table)
+    print(f"wrote {os.path.join(out_dir, 'bench.json')}" + (f" and {chart}" if chart else ""))
+
+
+def main(argv=None) -> int:
+    opts = parse_options(argv)
+    planned = plan_runs(opts)
+    os.makedirs(opts.out, exist_ok=True)
+    # A rebuilt report cannot know the device of the original run: say so instead of guessing.
+    facts = {"report_only": True} if opts.report_only else device_facts()
+    peak = opts.peak_tflops or default_peak(facts.get("device"))
+    started = time.time()
+    rows = [run_planned(run, opts, peak) for run in planned]
+    result = build_result(opts, facts, peak, rows, started)
+    chart = write_outputs(result, opts.out)
+    print_report(result, opts.out, chart)
     return 1 if any(r.get("error") for r in rows) else 0
 
 

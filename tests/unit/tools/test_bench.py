@@ -419,3 +419,82 @@ def test_repeat_end_to_end_with_report_only(tmp_path, capsys, monkeypatch):
         bench.main(
             ["--config", TINY, "--iters", "4", "--warmup", "1", "--repeat", "0", "--variant", "a="]
         )
+
+
+def test_plan_runs_gives_each_variant_its_entry_environment_and_flags(tmp_path):
+    opts = bench.parse_options(
+        [
+            "--config",
+            TINY,
+            "--out",
+            str(tmp_path),
+            "--iters",
+            "4",
+            "--warmup",
+            "1",
+            "--time-fwd-bwd",
+            "--upstream-script",
+            "/mlm/pretrain_gpt.py",
+            "--sweep",
+            "micro-batch-size=1,2",
+            "--variant",
+            "upstream=",
+            "--variant",
+            "fork=X_Y=1 --moe-grouped-gemm-impl torch",
+            "--variant",
+            "torchtitan=--tt-compile",
+        ]
+    )
+    planned = bench.plan_runs(opts)
+    assert [p.label for p in planned] == [
+        f"{name} micro-batch-size={value}"
+        for value in ("1", "2")
+        for name in ("upstream", "fork", "torchtitan")
+    ]
+    upstream, fork, peer = planned[3:]
+    assert upstream.name == "upstream_micro-batch-size-2"
+    assert upstream.entry == [os.path.join(bench.HERE, "run_upstream.py"), "/mlm/pretrain_gpt.py"]
+    assert upstream.env["PYTHONPATH"] == "/mlm" and "MEGATRON_PATCHSET" not in upstream.env
+    assert fork.entry == [os.path.join(bench.ROOT, "pretrain_gpt.py")] and fork.env["X_Y"] == "1"
+    assert fork.flags == ["--moe-grouped-gemm-impl", "torch"]
+    assert (
+        fork.argv[-2:] == fork.flags and fork.argv[fork.argv.index("--micro-batch-size") + 1] == "2"
+    )
+    assert fork.argv[fork.argv.index("--train-iters") + 1] == "4"
+    assert peer.entry == [bench.peer_runner("torchtitan")] and peer.flags == ["--tt-compile"]
+    assert all(p.env["MEGATRON_PATCHSET_TIME_FWD_BWD"] == "1" for p in planned)
+    assert all(p.profile_dir is None for p in planned)
+    # Without --upstream-script the baseline is this repository's script, unpatched.
+    entry, env = bench.variant_entry("upstream", [], None)
+    assert entry == [os.path.join(bench.ROOT, "pretrain_gpt.py")] and env == {
+        "MEGATRON_PATCHSET": "off"
+    }
+
+
+def test_a_variants_pythonpath_comes_before_the_checkout_and_the_callers(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_subprocess_run(cmd, env, **kwargs):
+        seen.update(env)
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_subprocess_run)
+    monkeypatch.setenv("PYTHONPATH", "/caller")
+    bench.run_variant("a", ["x.py"], {"PYTHONPATH": "/mlm"}, 1, str(tmp_path), 10)
+    assert seen["PYTHONPATH"].split(os.pathsep) == ["/mlm", bench.ROOT, "/caller"]
+    bench.run_variant("b", ["x.py"], {}, 1, str(tmp_path), 10)
+    assert seen["PYTHONPATH"].split(os.pathsep) == [bench.ROOT, "/caller"]
+
+
+def test_report_sections_follow_the_options_of_the_run():
+    row = dict(
+        bench.summarize(records([None, 0.5, 0.5], [2, 1, 1]), warmup=1, peak_tflops=None),
+        variant="a",
+    )
+    result = {"iters": 3, "warmup": 1, "peak_tflops": None, "variants": [row], "repeat": 1}
+    (caption, table), *more = bench.report_sections(result)
+    assert caption == "3 iterations, median of the last 2" and "| a " in table and more == []
+    result.update(repeat=2, pooled=bench.pooled_rows([row]), profile_iteration=3)
+    captions = [c for c, _ in bench.report_sections(result)]
+    assert captions[1].startswith("pooled over 2 repeats")
+    assert captions[2].startswith("torch.profiler, iteration 3")
