@@ -39,9 +39,14 @@ Leading ``NAME=VALUE`` tokens of a variant are environment variables of that var
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
 micro-batch-size=1,2,4``); ``--set FLAG=VALUE`` overrides the config for all variants.
 ``--profile-iteration N`` runs iteration N of every variant under ``torch.profiler`` (every
-rank; ``megatron/patchset/core/observe/profile.py``) and prints a second table: pipeline P2P kernel
-time
-per direction and its exposed part (no compute kernel running), mean over ranks.
+rank; ``megatron/patchset/core/observe/profile.py``) and prints a second table: pipeline P2P
+kernel time per direction and its exposed part (no compute kernel running), mean over ranks.
+
+``--record SLUG`` then writes the run's dated record ``docs/benchmarks/<YYYY-MM-DD>-SLUG.md``
+(``--record-dir``) from bench.json: title, date, device, software versions, this command line,
+the tables above and the chart, copied beside it (``record.py``). ``--record-from
+OUT/bench.json --record SLUG`` writes the record of an earlier run without running anything.
+Records are never edited: an existing one is refused unless ``--record-overwrite``.
 """
 
 from __future__ import annotations
@@ -50,12 +55,15 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 import re
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+
+import record  # a sibling: this script's folder is on sys.path
 
 from megatron.patchset.core import argsfile
 from megatron.patchset.core.observe import trace_summary
@@ -111,7 +119,7 @@ def parse_assignment(text: str) -> tuple[str, list[str]]:
 
 
 def device_facts() -> dict:
-    facts: dict = {"host_cpus": os.cpu_count()}
+    facts: dict = {"host_cpus": os.cpu_count(), "python": platform.python_version()}
     try:
         with open("/proc/cpuinfo") as handle:
             facts["host_cpu"] = next(
@@ -569,9 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--config",
-        required=True,
         type=argsfile.existing_file,
-        help="flag file (examples/configs/*.args)",
+        help="flag file (examples/configs/*.args); required unless --record-from.",
     )
     p.add_argument(
         "--variant",
@@ -671,13 +678,58 @@ def build_parser() -> argparse.ArgumentParser:
         "an earlier run with the same --out and variants left (for a run cut off after its "
         "variants had finished). Pass --peak-tflops when this machine has no GPU.",
     )
+    p.add_argument(
+        "--record",
+        metavar="SLUG",
+        type=record_slug,
+        default=None,
+        help="after the run, write the dated record <record-dir>/<YYYY-MM-DD>-SLUG.md from "
+        "bench.json (title, date, device, software versions, this command line, the tables) "
+        "with the chart beside it as <YYYY-MM-DD>-SLUG.png. An existing record is refused.",
+    )
+    p.add_argument(
+        "--record-dir",
+        default=os.path.join(ROOT, "docs", "benchmarks"),
+        help="folder of the records. Default: docs/benchmarks of this checkout.",
+    )
+    p.add_argument(
+        "--record-from",
+        metavar="BENCH_JSON",
+        default=None,
+        help="run nothing: write the --record of an earlier run from its bench.json (and the "
+        "bench.png beside it).",
+    )
+    p.add_argument(
+        "--record-overwrite",
+        action="store_true",
+        help="replace an existing record of the same date and slug (records are otherwise never "
+        "edited).",
+    )
     return p
+
+
+def record_slug(text: str) -> str:
+    try:
+        return record.check_slug(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def parse_options(argv: list[str]) -> argparse.Namespace:
     """The command line, checked: argparse's errors and the checks between options exit 2."""
     p = build_parser()
     opts = p.parse_args(argv)
+    if opts.record_from:
+        if not opts.record:
+            p.error("--record-from needs --record SLUG")
+        return opts
+    if not opts.config:
+        p.error("the following arguments are required: --config")
+    if opts.record:
+        try:  # before the run: a run of minutes whose record is then refused helps no one
+            record.refuse_existing(opts.record_dir, today(), opts.record, opts.record_overwrite)
+        except record.RecordError as exc:
+            p.error(str(exc))
     if opts.repeat < 1:
         p.error("--repeat must be at least 1")
     if opts.warmup >= opts.iters:
@@ -801,15 +853,44 @@ def run_planned(run: Planned, opts: argparse.Namespace, peak: float | None) -> d
     return row
 
 
+# The caller's environment variables that change what a run measures; bench.json keeps them
+# beside the command line.
+LAUNCH_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "PYTHONPATH")
+LAUNCH_ENV_PREFIXES = ("MEGATRON_", "NCCL_", "NVTE_", "TORCH_", "PYTORCH_")
+
+
+def launch_environment(environ=None) -> dict:
+    environ = os.environ if environ is None else environ
+    return {
+        k: v
+        for k, v in sorted(environ.items())
+        if k in LAUNCH_ENV or k.startswith(LAUNCH_ENV_PREFIXES)
+    }
+
+
+def today(at: float | None = None) -> str:
+    return time.strftime("%Y-%m-%d", time.localtime(at))
+
+
+def default_title(config: str, nproc: int, facts: dict) -> str:
+    return f"{os.path.basename(config)} on {nproc}x {facts.get('device', '?')}"
+
+
 def build_result(
-    opts: argparse.Namespace, facts: dict, peak: float | None, rows: list[dict], started: float
+    opts: argparse.Namespace,
+    argv: list[str],
+    facts: dict,
+    peak: float | None,
+    rows: list[dict],
+    started: float,
 ) -> dict:
-    """What bench.json holds: the run's settings, the device facts and one row per run."""
-    title = (
-        opts.title or f"{os.path.basename(opts.config)} on {opts.nproc}x {facts.get('device', '?')}"
-    )
+    """What bench.json holds: the command line, the run's settings, the device facts (with the
+    software versions) and one row per run."""
     result = {
-        "title": title,
+        "title": opts.title or default_title(opts.config, opts.nproc, facts),
+        "date": today(started),
+        "argv": argv,
+        "launch_env": launch_environment(),
         "config": opts.config,
         "nproc": opts.nproc,
         "numa_binding": opts.numa_binding,
@@ -889,8 +970,44 @@ def print_report(result: dict, out_dir: str, chart: str | None) -> None:
     print(f"wrote {os.path.join(out_dir, 'bench.json')}" + (f" and {chart}" if chart else ""))
 
 
+def write_record(result: dict, out_dir: str, opts: argparse.Namespace) -> str:
+    """The dated record of a bench.json (``record.py``), with the tables bench.py prints."""
+    return record.write(
+        result,
+        date=result["date"],
+        title=result["title"],
+        sections=report_sections(result),
+        chart_source=os.path.join(out_dir, "bench.png"),
+        record_dir=opts.record_dir,
+        slug=opts.record,
+        overwrite=opts.record_overwrite,
+    )
+
+
+def record_from(opts: argparse.Namespace) -> str:
+    """--record-from: the record of an earlier run's bench.json. A bench.json without a date or
+    title (older runs) takes its file's date and the default title."""
+    try:
+        with open(opts.record_from) as handle:
+            result = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise record.RecordError(f"--record-from {opts.record_from}: {exc}") from exc
+    result.setdefault("date", today(os.path.getmtime(opts.record_from)))
+    facts = result.get("facts") or {}
+    result.setdefault("title", default_title(result["config"], result["nproc"], facts))
+    return write_record(result, os.path.dirname(os.path.abspath(opts.record_from)), opts)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     opts = parse_options(argv)
+    if opts.record_from:
+        try:
+            print(f"wrote {record_from(opts)}")
+        except record.RecordError as exc:
+            print(f"tools/bench/bench.py: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     planned = plan_runs(opts)
     os.makedirs(opts.out, exist_ok=True)
     # A rebuilt report cannot know the device of the original run: say so instead of guessing.
@@ -898,9 +1015,15 @@ def main(argv=None) -> int:
     peak = opts.peak_tflops or default_peak(facts.get("device"))
     started = time.time()
     rows = [run_planned(run, opts, peak) for run in planned]
-    result = build_result(opts, facts, peak, rows, started)
+    result = build_result(opts, argv, facts, peak, rows, started)
     chart = write_outputs(result, opts.out)
     print_report(result, opts.out, chart)
+    if opts.record:
+        try:
+            print(f"wrote {write_record(result, opts.out, opts)}")
+        except record.RecordError as exc:
+            print(f"tools/bench/bench.py: error: {exc}", file=sys.stderr)
+            return 2
     return 1 if any(r.get("error") for r in rows) else 0
 
 
