@@ -47,6 +47,9 @@ kernel time per direction and its exposed part (no compute kernel running), mean
 the tables above and the chart, copied beside it (``record.py``). ``--record-from
 OUT/bench.json --record SLUG`` writes the record of an earlier run without running anything.
 Records are never edited: an existing one is refused unless ``--record-overwrite``.
+
+A variant whose training fails is reported with its cause (:func:`failure_cause`): the training
+process's exception line or the fork's refusal, not torchrun's report that ends the output.
 """
 
 from __future__ import annotations
@@ -264,6 +267,90 @@ def run_variant(
 def tail(path: str, lines: int = 25) -> str:
     with open(path, errors="replace") as handle:
         return "".join(handle.readlines()[-lines:])
+
+
+TRACEBACK = "Traceback (most recent call last):"
+# torchrun's prefix of a process's lines ("[rank1]: ", "[default0]:").
+RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*\d+\]:\s?")
+# torchrun's report on a failed process starts here; its own traceback follows.
+LAUNCHER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\)")
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: .*)?$")  # ValueError: ..., KeyboardInterrupt
+LOG_LINE = re.compile(r"^\[?[IWEF]\d{4} ")  # torch's and NCCL's C++ log lines (W1127 10:11:12 ...)
+REFUSAL = "megatron-patchset: "
+CONTINUATION_LINES = 8
+
+
+def failure_cause(text: str) -> str | None:
+    """The cause of a failed training run in its torchrun output: the exception line of the first
+    Python traceback of the training processes (``ValueError: ...``), else the fork's refusal (a
+    ``megatron-patchset: ...`` message, printed without a traceback) when a process that exited
+    with code 1 printed it last; a message's indented lines follow it. torchrun's report on the
+    failure (its own traceback, at the end of the output) is not a cause. None when there is no
+    such line (a process killed by a signal)."""
+    lines = text.splitlines()
+    end, code = len(lines), None
+    for i, line in enumerate(lines):
+        found = LAUNCHER_FAILED.search(line)
+        if found:
+            end, code = i, int(found.group(1))
+            break
+    streams: dict[str, list[tuple[int, str]]] = {}  # one per process, with torchrun's prefix
+    for i, line in enumerate(lines[:end]):
+        prefix = RANK_PREFIX.match(line)
+        key = prefix.group(0).strip() if prefix else ""
+        streams.setdefault(key, []).append((i, line[prefix.end() :] if prefix else line))
+    found = [c for c in (_raised(s) for s in streams.values()) if c]
+    if not found and code in (None, 1):
+        found = [c for c in (_refused(s) for s in streams.values()) if c]
+    return min(found)[1] if found else None
+
+
+def _with_continuation(stream: list[tuple[int, str]], at: int) -> tuple[int, str]:
+    """Line ``at`` of ``stream`` and the indented lines right after it."""
+    out = [stream[at][1].rstrip()]
+    for _, line in stream[at + 1 : at + 1 + CONTINUATION_LINES]:
+        if not line.strip() or not line[0].isspace():
+            break
+        out.append(line.rstrip())
+    return stream[at][0], "\n".join(out)
+
+
+def _raised(stream: list[tuple[int, str]]) -> tuple[int, str] | None:
+    """The exception line of the first traceback in one process's lines."""
+    starts = [k for k, (_, line) in enumerate(stream) if line.strip() == TRACEBACK]
+    if not starts:
+        return None
+    for k in range(starts[0] + 1, len(stream)):
+        line = stream[k][1]
+        if line.strip() and not line[0].isspace() and EXCEPTION_LINE.match(line):
+            return _with_continuation(stream, k)
+    return None
+
+
+def _refused(stream: list[tuple[int, str]]) -> tuple[int, str] | None:
+    """The fork's refusal, when it is the last message of one process's lines."""
+    for k in range(len(stream) - 1, -1, -1):
+        line = stream[k][1]
+        if not line.strip() or line[0].isspace() or LOG_LINE.match(line):
+            continue
+        return _with_continuation(stream, k) if line.startswith(REFUSAL) else None
+    return None
+
+
+def report_failure(tool: str, label: str, code: int, log: str) -> str | None:
+    """Print why a run failed: its cause (:func:`failure_cause`), or the last lines of its log
+    when none is found (or the run timed out). Returns the cause."""
+    cause = None
+    if code != 124:
+        with open(log, errors="replace") as handle:
+            cause = failure_cause(handle.read())
+    if cause:
+        print(f"[{tool}] {label} FAILED (exit {code}): {cause}\n  whole output: {log}", flush=True)
+    else:
+        print(
+            f"[{tool}] {label} FAILED (exit {code}); last lines of {log}:\n{tail(log)}", flush=True
+        )
+    return cause
 
 
 def read_profiles(folder: str) -> list[dict]:
@@ -506,7 +593,8 @@ def format_table(rows: list[dict], peak: float | None) -> str:
         first = firsts[r.get("sweep_value")]
         base = first.get("step_ms")  # None when the first variant failed
         if r.get("error"):
-            table.append([r["variant"], "FAILED", r["error"][:60]] + [""] * (len(head) - 3))
+            why = (r.get("cause") or r["error"]).splitlines()[0][:60].replace("|", "/")
+            table.append([r["variant"], "FAILED", why] + [""] * (len(head) - 3))
             continue
         row = [
             r["variant"],
@@ -838,10 +926,9 @@ def run_planned(run: Planned, opts: argparse.Namespace, peak: float | None) -> d
         print(f"[bench] {run.label}: {row['error']}", flush=True)
     elif code != 0 or not os.path.exists(metrics):
         row["error"] = f"exit code {code}"
-        print(
-            f"[bench] {run.label} FAILED (exit {code}); last lines of {log}:\n{tail(log)}",
-            flush=True,
-        )
+        cause = report_failure("bench", run.label, code, log)
+        if cause:
+            row["cause"] = cause
     else:
         exclude = (opts.profile_iteration,) if opts.profile_iteration is not None else ()
         try:

@@ -16,7 +16,7 @@ and GPU kernel time per category, the step's GPU busy and idle time, and a per-l
 
 ``--summary FILE`` only prints an existing summary; ``--trace FILE`` re-reduces a trace.
 ``--upstream`` profiles unpatched megatron-core (``MEGATRON_PATCHSET=off``; observe patches
-still apply).
+still apply). A failed run is reported with its cause, as in bench.py.
 """
 
 from __future__ import annotations
@@ -191,12 +191,8 @@ def main(argv=None) -> int:
         "profile", entry + train_argv, env, opts.nproc, out, opts.timeout
     )
     if code != 0 or not os.path.exists(summary_path):
-        print(
-            f"[profile_step] FAILED (exit {code}, summary "
-            f"{'present' if os.path.exists(summary_path) else 'missing'}); last lines of "
-            f"{log}:\n{bench.tail(log)}",
-            flush=True,
-        )
+        summary_state = "present" if os.path.exists(summary_path) else "missing"
+        bench.report_failure("profile_step", f"{opts.config} (summary {summary_state})", code, log)
         return 1
     with open(summary_path) as handle:
         summary = json.load(handle)
