@@ -4,6 +4,9 @@ Every test here is marked ``gpu`` and ``gpus(n)``; it skips cleanly when fewer t
 GPUs are visible or TransformerEngine does not import. Runs write megatron's exact
 per-iteration metrics (``MEGATRON_PATCHSET_METRICS``) and their logs under pytest's tmp dir;
 set ``PATCHSET_GPU_REPORT=<dir>`` to also collect a JSON summary of every run there.
+
+``--gpu-part N/M`` (``tools/ci/run_gpu_tier.sh --part N/M``) runs part N of M of the tier: whole
+files, so that a module's shared runs stay together, each file in exactly one part (:data:`PARTS`).
 """
 
 import importlib.util
@@ -13,12 +16,14 @@ import shlex
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 
 from megatron.patchset.core import argsfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GPU_TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(GPU_TESTS))
 TINY = os.path.join(ROOT, "examples", "configs", "tiny_moe.args")
 UPSTREAM_SCRIPT = os.environ.get(
     "MEGATRON_LM_PRETRAIN_GPT", os.path.join(ROOT, ".upstream", "megatron-lm", "pretrain_gpt.py")
@@ -39,12 +44,83 @@ def have_te() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+# The tier in 4 parts of under 8 minutes each on one H200, by the files' times there: the tiny
+# trainings (over 300 s); torch_adam's training comparisons (about 200 s) and the resume
+# recipes (about 150 s); grouped_mm (about 100 s) and the compile-heavy fsdp_cuda_graphs and
+# torch_compile; the export (about 60 s), static_dispatch, the Triton loss. The files of two-GPU
+# tests, which skip on one GPU, are spread over the parts. Entries are paths under tests/gpu (a
+# file, or a folder and everything in it); a file that no entry names goes to the last part.
+# Another M deals the files out by a hash of their path.
+PARTS = {
+    4: (
+        ("test_train_tiny.py", "features/paged_stash"),
+        ("features/torch_adam", "test_resume.py", "features/offload"),
+        (
+            "features/grouped_mm",
+            "features/fsdp_cuda_graphs",
+            "features/torch_compile",
+            "features/p2p_overlap",
+        ),
+        (
+            "test_export.py",
+            "features/static_dispatch",
+            "features/triton_cross_entropy",
+            "features/flex_dispatch",
+        ),
+    ),
+}
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``N/M`` -> (N, M), with 1 <= N <= M."""
+    number, sep, parts = text.partition("/")
+    if not (sep and number.isdigit() and parts.isdigit() and 1 <= int(number) <= int(parts)):
+        raise pytest.UsageError(f"--gpu-part {text}: expected N/M with 1 <= N <= M, e.g. 2/4")
+    return int(number), int(parts)
+
+
+def part_of(path: str, parts: int) -> int:
+    """The part (1..parts) of the test file at ``path``, relative to tests/gpu with '/'."""
+    for number, entries in enumerate(PARTS.get(parts, ()), start=1):
+        if any(path == entry or path.startswith(entry + "/") for entry in entries):
+            return number
+    if parts in PARTS:
+        return parts
+    return zlib.crc32(path.encode()) % parts + 1
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--gpu-part",
+        default=None,
+        metavar="N/M",
+        help="run part N of M of the GPU tier (whole files; tools/ci/run_gpu_tier.sh --part)",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs NVIDIA GPUs and TransformerEngine")
     config.addinivalue_line("markers", "gpus(n): needs at least n GPUs")
+    if config.getoption("--gpu-part", None):
+        parse_part(config.getoption("--gpu-part"))  # a usage error before collection
+
+
+def select_part(config, items) -> None:
+    """Deselect the GPU tests of the other parts (--gpu-part); tests elsewhere stay."""
+    number, parts = parse_part(config.getoption("--gpu-part"))
+    keep, drop = [], []
+    for item in items:
+        path = os.path.relpath(str(item.path), GPU_TESTS).replace(os.sep, "/")
+        inside = not path.startswith("../")
+        (drop if inside and part_of(path, parts) != number else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--gpu-part", None):
+        select_part(config, items)
     count, te = gpu_count(), have_te()
     for item in items:
         marker = item.get_closest_marker("gpus")
