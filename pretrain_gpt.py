@@ -6,7 +6,8 @@ plus the fork's flags (``python -m megatron.patchset --list`` shows what they pa
 
 Start-up order:
   1. megatron's parser with the fork's flags; the fork's layout rules (parallel sizes against
-     the world size), before megatron's own checks so that errors name the flag;
+     the world size), before megatron's own checks so that errors name the flag; the checkpoint
+     that --load names (metadata and file sizes);
   2. megatron's ``parse_and_validate_args``;
   3. the model config (``TransformerConfig.__post_init__`` checks) and the fork's
      combination rules;
@@ -64,6 +65,7 @@ from megatron.training.utils import (  # noqa: E402
 
 from megatron.patchset import __version__ as patchset_version  # noqa: E402
 from megatron.patchset.core import (  # noqa: E402
+    checkpoint_check,
     dry_run,
     model_hooks,
     preflight,
@@ -323,11 +325,16 @@ def _check_packages(args) -> None:
 def preflight_args():
     """Everything before ``pretrain``, each failure one message without a traceback: the
     launcher's environment; what needs no flags (compat patches, e.g. for --help); the fork's
-    layout rules; the GPU (before megatron asks the driver); megatron's validation; the model
-    config and the fork's combination rules; the packages; the patches."""
+    layout rules; the checkpoint --load names (before megatron reads it, also with
+    --use-checkpoint-args); the GPU (before megatron asks the driver); megatron's validation; the
+    model config and the fork's combination rules; the packages; the patches."""
     preflight.check_environment()
     registry.apply(None)
-    rules.validate(parse_args(add_patchset_args), "layout")
+    raw = parse_args(add_patchset_args)
+    rules.validate(raw, "layout")
+    checkpoint = checkpoint_check.check(raw)
+    if checkpoint:
+        print_rank_0(f"> megatron-patchset checkpoint: {checkpoint}")
     preflight.require_gpu()
     args = preflight.megatron_validated(
         lambda: parse_and_validate_args(extra_args_provider=add_patchset_args)

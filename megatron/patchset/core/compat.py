@@ -11,7 +11,13 @@ C++ compiler and pybind11 into the same folder.
 0.19.2's help strings contains a bare ``%``, so ``--help`` fails. The replacement doubles such
 signs after megatron adds its arguments.
 
-Both are applied before the command line is parsed (``registry.apply(None)``).
+``compat.checkpoint_exit_status``: megatron-core 0.19.2's checkpoint loader ends a failed load
+(a tracker file it cannot parse, ``--exit-on-missing-checkpoint``, a checkpoint without its
+iteration or RNG state) with a bare ``sys.exit()``, status 0, so a launcher or scheduler takes
+the failure for a finished run. The replacement of the loader module's ``sys`` exits with status
+1 and one line saying so; every other name is the real ``sys``.
+
+All three are applied before the command line is parsed (``registry.apply(None)``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import re
 import subprocess
 import sys
 import sysconfig
+import types
 
 from megatron.patchset.core.registry import patch
 
@@ -114,3 +121,36 @@ def _help_percent_signs(original):
         return parser
 
     return add_megatron_arguments
+
+
+CHECKPOINT_EXIT_MESSAGE = (
+    "megatron-patchset: megatron-core stopped loading the checkpoint (its message is above); "
+    "exit status 1"
+)
+
+
+class _NonZeroExit(types.ModuleType):
+    """A stand-in for the ``sys`` module whose ``exit()`` without a status (or with 0) exits
+    with status 1; every other attribute is the real module's."""
+
+    def __init__(self, real):
+        super().__init__(real.__name__, real.__doc__)
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def exit(self, status=None):
+        raise SystemExit(CHECKPOINT_EXIT_MESSAGE if status in (None, 0) else status)
+
+
+@patch(
+    "compat.checkpoint_exit_status",
+    "megatron.training.checkpointing.sys",
+    reason="megatron-core 0.19.2's checkpoint loader stops on a load error with sys.exit(), exit "
+    "status 0, which a launcher or scheduler takes for success",
+    upstream_pr="proposed",
+    kind="compat",
+)
+def _checkpoint_exit_status(original):
+    return _NonZeroExit(original)

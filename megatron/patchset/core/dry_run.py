@@ -23,7 +23,15 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 
-from megatron.patchset.core import features, flags, preflight, registry, rules, versions
+from megatron.patchset.core import (
+    checkpoint_check,
+    features,
+    flags,
+    preflight,
+    registry,
+    rules,
+    versions,
+)
 from megatron.patchset.core.errors import PatchsetError
 
 TARGET_CAPABILITY = (9, 0)
@@ -302,8 +310,9 @@ def fill_padded_vocab_size(args: argparse.Namespace) -> str | None:
 
 
 def _checked_args(extra_args_provider: Callable):
-    """Everything a launch checks before touching a GPU: (args, config, notes); raises
-    ``PatchsetArgumentError``, ``PreflightError`` or ``PatchsetError``."""
+    """Everything a launch checks before touching a GPU: (args, config, patches, notes, the
+    checkpoint --load would load); raises ``PatchsetArgumentError``, ``PreflightError`` or
+    ``PatchsetError``."""
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import parse_args, validate_args
 
@@ -312,13 +321,14 @@ def _checked_args(extra_args_provider: Callable):
         args.world_size = args.dry_run_world_size
     args.rank = 0
     rules.validate(args, "layout")
+    checkpoint = checkpoint_check.check(args, read_metadata=True)
     with contextlib.redirect_stdout(io.StringIO()):
         preflight.megatron_validated(lambda: validate_args(args, {}))
         config = preflight.megatron_validated(lambda: core_transformer_config_from_args(args))
     notes = [note for note in [fill_padded_vocab_size(args)] if note]
     rules.validate(args, "combination", config=config)
     patches = registry.selected(args)
-    return args, config, patches, notes
+    return args, config, patches, notes, checkpoint
 
 
 def run(
@@ -351,7 +361,7 @@ def run(
             return invalid(str(exc))
         with target_device() as emulated:
             try:
-                args, config, patches, notes = _checked_args(extra_args_provider)
+                args, config, patches, notes, checkpoint = _checked_args(extra_args_provider)
                 with contextlib.redirect_stdout(io.StringIO()):
                     counted = (
                         count_parameters(args, config)
@@ -367,14 +377,14 @@ def run(
                         "megatron-core refused the flags: "
                     )
                 )
-            _report(args, config, patches, notes, counted, emulated, say)
+            _report(args, config, patches, notes, checkpoint, counted, emulated, say)
             return 0
     finally:
         sys.argv = saved_argv
         registry.revert(early)
 
 
-def _report(args, config, patches, notes, counted, emulated, say) -> None:
+def _report(args, config, patches, notes, checkpoint, counted, emulated, say) -> None:
     say("=" * 72)
     say(f"megatron-patchset dry-run (megatron-core {versions.installed_mcore_version()})")
     if emulated:
@@ -389,6 +399,8 @@ def _report(args, config, patches, notes, counted, emulated, say) -> None:
     for p in patches:
         say(f"  {p.name:<{width}} {p.target}")
     say(f"data: {_data_line(args)}")
+    if checkpoint:
+        say(f"checkpoint: {checkpoint}")
     say(
         f"model: {type(config).__name__}, {args.num_layers} layers, hidden "
         f"{args.hidden_size}, {args.num_experts or 0} experts "

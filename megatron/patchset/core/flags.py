@@ -1,8 +1,9 @@
 """The fork's command-line flags, added to megatron's own parser.
 
 :func:`add_patchset_args` is the ``extra_args_provider`` for megatron's ``parse_args``: one
-argument group, ``megatron-patchset``, with the dry-run flags and every feature's flags (each
-feature adds its own, in megatron's style: kebab-case, help text, defaults shown).
+argument group, ``megatron-patchset``, with the dry-run flags, ``--load-allow-missing`` and every
+feature's flags (each feature adds its own, in megatron's style: kebab-case, help text, defaults
+shown).
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default=None,
         help="World size (number of GPUs) that --dry-run validates for. "
         "Default: the WORLD_SIZE environment variable, else 1.",
+    )
+    group.add_argument(
+        "--load-allow-missing",
+        action="store_true",
+        help="With --load, start from random weights when --load holds no checkpoint (megatron's "
+        "behaviour). Without it the launch refuses a --load directory that does not exist or "
+        "holds no latest_checkpointed_iteration.txt, unless --load is also --save.",
     )
     for feature in features.load():
         # An exported megatron (python -m megatron.patchset export) already has them.
