@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
 from megatron.patchset.core.rules import listed, rule
 
 # megatron-core 0.19.2's indexed dataset (megatron/core/datasets/indexed_dataset.py): the .idx
-# file starts with this header, a little-endian u64 version and a u8 dtype code.
+# file starts with this header, a little-endian u64 version, a u8 dtype code and u64 sequence and
+# document counts; then the sequence lengths (int32), the sequences' byte offsets into the .bin
+# (int64) and the document indices (int64).
 INDEX_HEADER = b"MMIDIDX\x00\x00"
+INDEX_COUNTS = struct.Struct("<QBQQ")
 REMOTE_PREFIXES = ("msc://", "s3://", "gs://", "az://", "http://", "https://")
 # Token ids read from each .bin (spread over the file) to compare with the vocabulary.
 SAMPLED_TOKENS = 1 << 20
@@ -115,13 +119,25 @@ def _is_number(text: str) -> bool:
 
 def parse_blend(flag: str, words: list[str]) -> tuple[list[str], list[str]]:
     """(prefixes, problems) of one megatron data-path value: a prefix, prefixes, or weights and
-    prefixes alternating (``0.3 /data/a 0.7 /data/b``)."""
+    prefixes alternating (``0.3 /data/a 0.7 /data/b``); weights are positive and finite, as
+    megatron's blended dataset asserts after it has built the datasets."""
     if len(words) > 1 and len(words) % 2 == 0 and any(_is_number(w) for w in words[::2]):
         bad = [w for w in words[::2] if not _is_number(w)]
         if bad:
             return [], [
                 f"{flag} {' '.join(words)}: a blend alternates weights and prefixes, and "
                 f"{', '.join(repr(b) for b in bad)} is not a weight"
+            ]
+        wrong = [
+            f"{weight} (of {prefix})"
+            for weight, prefix in zip(words[::2], words[1::2])
+            if not (math.isfinite(float(weight)) and float(weight) > 0)
+        ]
+        if wrong:
+            return [], [
+                f"{flag}: the blend weight {', '.join(wrong)} must be a positive finite number "
+                "(megatron samples each dataset in proportion to its weight; leave a dataset out "
+                "rather than weighting it 0)"
             ]
         return list(words[1::2]), []
     stray = [w for w in words if _is_number(w) and not os.path.exists(w + ".idx")]
@@ -218,6 +234,46 @@ def prefix_problem(flag: str, prefix: str) -> str | None:
             f"{flag} {prefix}: {prefix}.idx is not a megatron indexed dataset index (bad header); "
             "build the dataset with megatron's tools/preprocess_data.py"
         )
+    problem = index_size_problem(prefix)
+    return f"{flag} {prefix}: {problem}" if problem else None
+
+
+def index_size_problem(prefix: str) -> str | None:
+    """Whether ``prefix``.idx holds the tables its header counts and ``prefix``.bin the bytes its
+    last sequence ends at. Reads the header and the last entries of the length and offset
+    tables, not the tokens."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    with open(idx, "rb") as handle:
+        head = handle.read(len(INDEX_HEADER) + INDEX_COUNTS.size)
+        if len(head) < len(INDEX_HEADER) + INDEX_COUNTS.size:
+            return f"{idx} ends inside its header (truncated)"
+        version, code, sequences, documents = INDEX_COUNTS.unpack_from(head, len(INDEX_HEADER))
+        if version != 1:
+            return f"{idx} is index version {version}; megatron-core reads version 1"
+        start = len(head)
+        least = start + sequences * (4 + 8) + documents * 8
+        size = os.path.getsize(idx)
+        if size < least:
+            return (
+                f"{idx} is {size:,} bytes, but its header counts {sequences:,} sequences and "
+                f"{documents:,} documents ({least:,} bytes): truncated"
+            )
+        if not sequences:
+            return None
+        handle.seek(start + (sequences - 1) * 4)
+        (length,) = struct.unpack("<i", handle.read(4))
+        handle.seek(start + sequences * 4 + (sequences - 1) * 8)
+        (offset,) = struct.unpack("<q", handle.read(8))
+    needed = offset + length * DType.size(DType.dtype_from_code(code))
+    have = os.path.getsize(bin_)
+    if have < needed:
+        return (
+            f"{bin_} is {have:,} bytes, but {idx} places its last sequence at bytes "
+            f"{offset:,}-{needed:,} (truncated, or the .bin of another index); copy or build the "
+            "dataset again"
+        )
     return None
 
 
@@ -234,7 +290,8 @@ def prefix_problem(flag: str, prefix: str) -> str | None:
     ),
 )
 def _data_files(args):
-    """Every dataset prefix names a .bin and a megatron .idx file; blends parse."""
+    """Every dataset prefix names a .bin and a megatron .idx file, the .bin as long as the .idx
+    describes; blends parse, with positive finite weights."""
     found, problems = data_prefixes(args)
     problems += [p for p in (prefix_problem(flag, prefix) for flag, prefix in found) if p]
     return listed("", problems)
