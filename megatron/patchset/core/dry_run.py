@@ -317,6 +317,7 @@ def _checked_args(extra_args_provider: Callable):
     from megatron.training.arguments import parse_args, validate_args
 
     args = parse_args(extra_args_provider)
+    args.dry_run = True  # also when run() is called without --dry-run in argv
     if args.dry_run_world_size is not None:
         args.world_size = args.dry_run_world_size
     args.rank = 0

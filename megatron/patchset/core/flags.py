@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import re
 
 from megatron.patchset.core import features
@@ -37,6 +38,17 @@ def short_error(parser: argparse.ArgumentParser, message: str) -> None:
         f"{parser.prog}: error: {message}{suggestions(parser, message)}\n"
         f"{parser.prog} --help lists every flag.\n",
     )
+
+
+def finite_float(text: str) -> float:
+    """argparse type of the fork's flags that take a number: a float, not nan or inf."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
 
 
 def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -70,4 +82,7 @@ def add_patchset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         # An exported megatron (python -m megatron.patchset export) already has them.
         if feature.add_arguments is not None and not provided(feature.name):
             feature.add_arguments(group)
+    for action in group._group_actions:
+        if action.type is float:  # float() reads nan and inf
+            action.type = finite_float
     return parser

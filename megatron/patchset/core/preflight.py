@@ -45,6 +45,7 @@ def environment_problems(environ: dict | None = None) -> list[str]:
 
 
 def check_environment(environ: dict | None = None) -> None:
+    """The launcher's variables (:func:`environment_problems`) and ``MEGATRON_PATCHSET``."""
     problems = environment_problems(environ)
     if problems:
         raise PreflightError(
@@ -52,6 +53,9 @@ def check_environment(environ: dict | None = None) -> None:
             + "; ".join(problems)
             + " (torchrun and srun set these; unset or correct them)."
         )
+    from megatron.patchset.core import registry
+
+    registry.upstream_mode(environ)  # raises for a value it does not know
 
 
 def _as_flags(text: str) -> str:

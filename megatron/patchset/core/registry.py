@@ -336,9 +336,25 @@ def apply_patches(patches: Iterable[Patch], *, check: bool = True) -> list[str]:
     return newly
 
 
-def upstream_mode() -> bool:
-    """Whether ``MEGATRON_PATCHSET=off`` asks for the unpatched upstream path."""
-    return os.environ.get(UPSTREAM_ENV, "").lower() in ("off", "0", "upstream")
+# MEGATRON_PATCHSET's values (case-insensitive): the fork (unset or empty is "on"), or the
+# unpatched upstream path.
+PATCHED_VALUES = ("on", "1")
+UPSTREAM_VALUES = ("off", "0", "upstream")
+
+
+def upstream_mode(environ: Any = None) -> bool:
+    """Whether ``MEGATRON_PATCHSET=off`` asks for the unpatched upstream path (in ``environ``,
+    default ``os.environ``); any value other than :data:`PATCHED_VALUES` and
+    :data:`UPSTREAM_VALUES` is an error."""
+    value = (os.environ if environ is None else environ).get(UPSTREAM_ENV, "").strip()
+    if value.lower() in UPSTREAM_VALUES:
+        return True
+    if not value or value.lower() in PATCHED_VALUES:
+        return False
+    raise PatchsetError(
+        f"{UPSTREAM_ENV}={value!r} is not one of {', '.join(PATCHED_VALUES)} (the fork, as when "
+        f"unset) or {', '.join(UPSTREAM_VALUES)} (unpatched upstream megatron-core)."
+    )
 
 
 def skipped_patches() -> set[str]:

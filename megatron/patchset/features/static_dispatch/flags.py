@@ -12,6 +12,7 @@ OVERFLOW_FLAG = "--moe-static-dispatch-on-overflow"
 DEFAULT_FACTOR = 2.0
 ON_OVERFLOW = ("rerun", "fail")
 DEFAULT_ON_OVERFLOW = "rerun"
+FLAGS = (FLAG, FACTOR_FLAG, OVERFLOW_FLAG)
 
 # TransformerConfig attributes (absent: upstream's dispatcher).
 CONFIG_ON = "moe_static_dispatch"
@@ -28,6 +29,19 @@ def factor(args: Any) -> float:
 
 def on_overflow(args: Any) -> str:
     return getattr(args, "moe_static_dispatch_on_overflow", DEFAULT_ON_OVERFLOW)
+
+
+def flags_given(args: Any) -> list[str]:
+    """The capacity factor and the overflow policy where set away from their defaults, as they
+    were typed."""
+    given = []
+    for flag, value, default in (
+        (FACTOR_FLAG, factor(args), DEFAULT_FACTOR),
+        (OVERFLOW_FLAG, on_overflow(args), DEFAULT_ON_OVERFLOW),
+    ):
+        if value != default:
+            given.append(f"{flag} {value}")
+    return given
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:

@@ -3,6 +3,8 @@ not implement."""
 
 from __future__ import annotations
 
+import math
+
 from megatron.patchset.core.predicates import capacity_limited, etp, stash_or_budget
 from megatron.patchset.core.rules import listed, rule
 from megatron.patchset.features.grouped_mm.flags import FLAG as GEMM_FLAG
@@ -11,7 +13,9 @@ from megatron.patchset.features.grouped_mm.flags import requested as grouped_mm_
 from megatron.patchset.features.static_dispatch.flags import (
     FACTOR_FLAG,
     FLAG,
+    FLAGS,
     factor,
+    flags_given,
     requested,
 )
 
@@ -90,19 +94,39 @@ def _static_dispatch_requirements(args):
     return listed(f"{FLAG} needs: ", problems)
 
 
+@rule("moe-static-dispatch-options", phase="layout", flags=FLAGS)
+def _options(args):
+    """The capacity factor and the overflow policy act only with the flag."""
+    given = flags_given(args)
+    if given and not requested(args):
+        return f"{', '.join(given)} only act with {FLAG}: add it or drop them."
+    return None
+
+
 @rule(
     "moe-static-dispatch-capacity-factor",
     phase="layout",
-    flags=(FACTOR_FLAG,),
+    flags=(FACTOR_FLAG, "--micro-batch-size", "--seq-length", "--moe-router-topk"),
 )
 def _capacity_factor(args):
-    """Below 1.0 even perfectly balanced routing overflows every step."""
+    """Below 1.0 even perfectly balanced routing overflows every step; the capacity must be a
+    number of rows (the factor times a rank's tokens x top-k is finite)."""
     if not requested(args):
         return None
     value = factor(args)
+    if not math.isfinite(value):
+        return f"{FACTOR_FLAG} {value} is not a finite number"
     if not value >= 1.0:
         return (
             f"{FACTOR_FLAG} {value}: must be at least 1.0 (the per-peer capacity is this factor "
             "times the balanced share; below 1.0 every step overflows and is re-run)"
+        )
+    rows = args.micro_batch_size * args.seq_length * (args.moe_router_topk or 1)
+    if not math.isfinite(value * rows):
+        ep = args.expert_model_parallel_size
+        return (
+            f"{FACTOR_FLAG} {value} is too large to compute a capacity with: the capacity is "
+            f"capped at a rank's tokens x top-k rows, which a factor of {ep} (the expert-parallel "
+            "size) already gives; use at most that"
         )
     return None

@@ -48,3 +48,29 @@ def test_capacity_factor_below_one_is_refused():
     got = failures(tiny_argv(*STATIC, "--moe-static-dispatch-capacity-factor", "0.8"))
     assert "must be at least 1.0" in got["moe-static-dispatch-capacity-factor"]
     assert failures(tiny_argv(*STATIC, "--moe-static-dispatch-capacity-factor", "1.25")) == {}
+
+
+def test_the_options_without_the_flag_are_refused():
+    got = failures(tiny_argv("--moe-static-dispatch-capacity-factor", "1.5"))
+    assert got == {
+        "moe-static-dispatch-options": "--moe-static-dispatch-capacity-factor 1.5 only act with "
+        "--moe-static-dispatch: add it or drop them."
+    }
+    got = failures(tiny_argv("--moe-static-dispatch-on-overflow", "fail"))
+    assert (
+        "--moe-static-dispatch-on-overflow fail only act with" in got["moe-static-dispatch-options"]
+    )
+    assert failures(tiny_argv(*STATIC, "--moe-static-dispatch-on-overflow", "fail")) == {}
+
+
+@pytest.mark.parametrize("value", ["1e305", "1.7e308"])
+def test_a_factor_too_large_for_a_capacity_is_refused(value):
+    """The capacity is ceil(factor x tokens x top-k / EP): a factor whose product with the rows
+    overflows to inf stopped the dispatcher with an OverflowError."""
+    got = failures(tiny_argv(*STATIC, *EP2, "--moe-static-dispatch-capacity-factor", value), 2)
+    message = got["moe-static-dispatch-capacity-factor"]
+    assert message.startswith(f"--moe-static-dispatch-capacity-factor {float(value)} is too large")
+    assert "a factor of 2 (the expert-parallel size)" in message
+    assert (
+        failures(tiny_argv(*STATIC, *EP2, "--moe-static-dispatch-capacity-factor", "1e6"), 2) == {}
+    )
