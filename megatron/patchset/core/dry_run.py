@@ -416,6 +416,25 @@ def _report(args, config, patches, notes, checkpoint, counted, emulated, say) ->
         )
     for note in notes:
         say(f"note: {note}")
+    for line in _memory_lines(args):
+        say(line)
+    say("packages the run needs:")
+    for package, why in required_packages(args):
+        here = "installed here" if installed(package) else "not installed here"
+        say(f"  {package:<52} ({why}; {here})")
+    say("dry-run: OK")
+
+
+def _memory_lines(args) -> list[str]:
+    """megatron's theoretical memory estimate, or one line saying why there is none."""
+    if not getattr(args, "padded_vocab_size", None):
+        model = getattr(args, "tokenizer_model", None)
+        return [
+            "theoretical memory estimate unavailable: the vocabulary size is not known here (the "
+            "tokenizer"
+            + (f" --tokenizer-model {model}" if model else "")
+            + " is not on this machine)"
+        ]
     try:
         from megatron.training.theoretical_memory_usage import report_theoretical_memory
 
@@ -423,17 +442,16 @@ def _report(args, config, patches, notes, checkpoint, counted, emulated, say) ->
         estimate = io.StringIO()
         with contextlib.redirect_stdout(estimate):
             report_theoretical_memory(args, num_microbatches=num_micro, verbose=True)
-        say("megatron's parameter count and theoretical memory (per GPU):")
-        for line in estimate.getvalue().splitlines():
-            if line.strip() and "compute_activation_memory" not in line:
-                say("  " + line.strip())
     except Exception as exc:  # noqa: BLE001 - an estimate failure must not hide a valid layout
-        say(f"theoretical memory estimate unavailable: {type(exc).__name__}: {exc}")
-    say("packages the run needs:")
-    for package, why in required_packages(args):
-        here = "installed here" if installed(package) else "not installed here"
-        say(f"  {package:<52} ({why}; {here})")
-    say("dry-run: OK")
+        return [
+            "theoretical memory estimate unavailable: megatron's estimate does not cover these "
+            f"flags ({type(exc).__name__}: {exc})"
+        ]
+    return ["megatron's parameter count and theoretical memory (per GPU):"] + [
+        "  " + line.strip()
+        for line in estimate.getvalue().splitlines()
+        if line.strip() and "compute_activation_memory" not in line
+    ]
 
 
 def _data_line(args) -> str:

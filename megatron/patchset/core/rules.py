@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.core.provided import provided
 from megatron.patchset.core.registry import _feature_of
 
@@ -99,9 +101,19 @@ def listed(lead: str, problems: list[str]) -> str | None:
 
 def skipped_rules() -> set[str]:
     names = {n.strip() for n in os.environ.get(SKIP_RULES_ENV, "").split(",") if n.strip()}
-    unknown = names - {r.name for r in all_rules()}
+    known = [r.name for r in all_rules()]
+    unknown = sorted(names - set(known))
     if unknown:
-        raise ValueError(f"{SKIP_RULES_ENV} names unknown rules: {', '.join(sorted(unknown))}")
+        hints = [
+            f"{name}: did you mean {' or '.join(close)}?"
+            for name in unknown
+            if (close := difflib.get_close_matches(name, known, n=2, cutoff=0.6))
+        ]
+        raise PatchsetError(
+            f"{SKIP_RULES_ENV} names unknown rules: {', '.join(unknown)}"
+            + (f" ({'; '.join(hints)})" if hints else "")
+            + ". A rule's name is the bracketed word before its message, e.g. [sizes-positive]."
+        )
     return names
 
 

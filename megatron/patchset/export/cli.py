@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron.patchset.core.errors import PatchsetError
+
+
+def _out_problem(out: str) -> str | None:
+    """Why ``out`` cannot be the output folder (it or a folder above it is a file), or None."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return "is a file, not a folder" if path == os.path.abspath(out) else f"{path} is a file"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         "patches were updated for a new upstream version).",
     )
     opts = parser.parse_args(argv)
+    problem = _out_problem(opts.out)
+    if problem and not opts.record_digests:
+        print(f"{parser.prog}: --out {opts.out}: {problem}", file=sys.stderr)
+        return 2
     from megatron.patchset.export import digests, run
     from megatron.patchset.export.source import SourceTree
 
