@@ -123,3 +123,31 @@ def test_resume_continues_bit_identically(tmp_path, world_size):
         assert resumed["losses"] == full["losses"][10:]
         assert resumed["grad_norms"] == full["grad_norms"][10:]
         assert all(math.isfinite(x) for x in full["losses"])
+
+
+@pytest.mark.slow
+def test_one_rank_of_a_larger_layout_under_the_fake_process_group(tmp_path):
+    """Rank 1 of a 4-GPU EP=4 layout in one process (megatron's --fake-process-group): the
+    expert-parallel exchanges are the fork's stand-ins (every rank routes as this one), so the
+    token counts are consistent, each local expert receives tokens and the losses stay finite
+    while the model learns; upstream's fake group alone would hand the dispatcher garbage counts."""
+    out = str(tmp_path / "run")
+    argv = cpu_train.cpu_argv(
+        "--global-batch-size", "8", "--expert-model-parallel-size", "4", "--fake-process-group"
+    )
+    mp.spawn(
+        cpu_train.run,
+        args=(4, argv, cpu_train.free_port(), out, 4, 1),
+        nprocs=1,
+        join=True,
+    )
+    rec = json.load(open(f"{out}.rank1.json"))
+    assert rec["ep"] == 4
+    assert all(math.isfinite(x) for x in rec["losses"])
+    assert rec["losses"][-1] < rec["losses"][0]
+    # 2 x 128 tokens, top-2 of 8 experts: this rank sends 2 x 128 x 2 / 4 = 128 token copies to
+    # each EP rank on average; as every one of the 4 ranks routes alike, its 2 experts receive 4
+    # times what it sends to itself.
+    for counts in rec["expert_tokens"]:
+        assert len(counts) == 2 and all(c > 0 for c in counts)
+        assert sum(counts) % 4 == 0

@@ -22,6 +22,7 @@ from megatron.patchset.core.upstream_pr import UpstreamPR
 # The core's modules that declare compat/observe patches and rules.
 CORE_MODULES = (
     "megatron.patchset.core.compat",
+    "megatron.patchset.core.emulation",
     "megatron.patchset.core.observe.metrics",
     "megatron.patchset.core.observe.profile",
     "megatron.patchset.core.layout_rules",

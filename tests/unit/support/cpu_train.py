@@ -28,7 +28,13 @@ def cpu_argv(*extra):
     return argv + cpu_shims.CPU_FLAGS + list(extra)
 
 
-def run(rank, world_size, argv, port, out, steps):
+def run(rank, world_size, argv, port, out, steps, emulated_rank=None):
+    """Train ``steps`` steps as ``rank`` of ``world_size`` gloo processes; with ``emulated_rank``
+    this one process is that rank of a ``world_size`` layout under megatron's
+    ``--fake-process-group`` (every collective skipped; the fork's stand-ins for the
+    expert-parallel exchanges installed through the registry)."""
+    if emulated_rank is not None:
+        rank = emulated_rank
     os.environ.update(
         WORLD_SIZE=str(world_size),
         RANK=str(rank),
@@ -53,9 +59,21 @@ def run(rank, world_size, argv, port, out, steps):
 
     torch.manual_seed(1234)
     args = parse_and_validate_args(extra_args_provider=pretrain_gpt.add_patchset_args)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    fake = emulated_rank is not None
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from megatron.patchset.core import registry
+
+        registry.apply(args)
+        torch.distributed.init_process_group(
+            "fake", store=FakeStore(), rank=rank, world_size=world_size
+        )
+    else:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(
-        expert_model_parallel_size=args.expert_model_parallel_size
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        create_gloo_process_groups=not fake,
     )
     model_config = pretrain_gpt.model_config_from_args(args)
     model = GPTModelBuilder(model_config).build_model(
@@ -65,7 +83,14 @@ def run(rank, world_size, argv, port, out, steps):
     batch = next(iter(torch.utils.data.DataLoader(train, batch_size=args.micro_batch_size)))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 
-    record = {"losses": [], "tokens": [], "reports": [], "grad_norms": {}}
+    record = {"losses": [], "tokens": [], "reports": [], "grad_norms": {}, "expert_tokens": []}
+    experts = next(m for name, m in model.named_modules() if name.endswith("mlp.experts"))
+
+    def count_tokens(module, args, kwargs):  # the first MoE layer's tokens per local expert
+        counts = args[1] if len(args) > 1 else kwargs["tokens_per_expert"]
+        record["expert_tokens"].append([int(c) for c in counts])
+
+    experts.register_forward_pre_hook(count_tokens, with_kwargs=True)
     for _ in range(steps):
         output, loss_fn = pretrain_gpt.forward_step(iter([batch]), model)
         loss, num_tokens, report = loss_fn(output)
