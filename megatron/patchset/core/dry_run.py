@@ -239,6 +239,10 @@ def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
         overlap_moe_expert_parallel_comm=False,
         delay_wgrad_compute=False,
         ep_overlap_early_attn_memory_release=False,
+        # CUDA graphs hold no parameters; megatron's local ones need the GPU and the RNG tracker
+        # of a launch to be built
+        cuda_graph_impl="none",
+        inference_cuda_graph_scope=None,
     )
     torch.distributed.init_process_group(
         "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
