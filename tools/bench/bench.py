@@ -66,7 +66,8 @@ import subprocess
 import sys
 import time
 
-import record  # a sibling: this script's folder is on sys.path
+import comm_model  # siblings: this script's folder is on sys.path
+import record
 
 from megatron.patchset.core import argsfile
 from megatron.patchset.core.observe import trace_summary
@@ -100,6 +101,41 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     if not name:
         raise argparse.ArgumentTypeError(f"variant {text!r} has no name")
     return name, shlex.split(flags)
+
+
+def parse_recipe(text: str) -> tuple[str, list[str]]:
+    """``[label=]NAME [KNOB=VALUE ...]``: a variant of a named recipe (megatron/patchset/recipes,
+    docs/recipes.md), its flags and environment defaults as leading ``NAME=VALUE`` tokens. The
+    label defaults to the recipe's name with its settings (``small-batch`` or
+    ``small-batch:EP=8``); a recipe of upstream flags only (``upstream_best``) is labelled
+    ``upstream-...`` and runs unpatched."""
+    from megatron.patchset import recipes
+
+    words = shlex.split(text)
+    label = None
+    if words and "=" in words[0] and not words[0].split("=", 1)[0].isupper():
+        label, words[0] = words[0].split("=", 1)
+    if not words or not words[0]:
+        raise argparse.ArgumentTypeError(f"recipe {text!r} names no recipe")
+    name, settings = words[0], words[1:]
+    try:
+        recipe = recipes.get(name)
+        pairs = dict(s.split("=", 1) if "=" in s else (s, "") for s in settings)
+        bad = [s for s in settings if "=" not in s]
+        if bad:
+            raise recipes.KnobError(f"{bad[0]!r}: expected KNOB=VALUE")
+        built = recipe(pairs)
+    except recipes.KnobError as exc:
+        raise argparse.ArgumentTypeError(f"--recipe {text!r}: {exc}") from None
+    if label is None:
+        label = name.replace("_", "-") + (":" + ",".join(settings) if settings else "")
+        if recipe.baseline and not label.startswith("upstream"):
+            label = f"upstream-{label.removeprefix('upstream-')}"
+    if recipe.baseline and not label.startswith("upstream-"):
+        raise argparse.ArgumentTypeError(
+            f"--recipe {text!r}: {name} is upstream's flags; its label must start with 'upstream-'"
+        )
+    return label, [f"{k}={v}" for k, v in built.env] + list(built.flags)
 
 
 def split_env(flags: list[str]) -> tuple[dict, list[str]]:
@@ -199,6 +235,7 @@ def summarize(
         "step_ms_min": min(r["time_s"] for r in timed) * 1e3,
         "step_ms_max": max(r["time_s"] for r in timed) * 1e3,
         "tokens_per_s": last["tokens"] / step,
+        "tokens_per_s_per_gpu": last["tokens"] / step / world,
         "tflops_per_gpu": tflops,
         "mfu": tflops / peak_tflops if peak_tflops else None,
         "peak_allocated_gib": summary.get("max_allocated_gib", last.get("max_allocated_gib")),
@@ -228,8 +265,33 @@ def variant_files(out_dir: str, name: str) -> tuple[str, str]:
     return os.path.join(out_dir, f"{name}.jsonl"), os.path.join(out_dir, f"{name}.log")
 
 
+def emulation_env(world_size: int, rank: int) -> dict:
+    """The environment of one process that is ``rank`` of a ``world_size`` job: megatron reads the
+    world and the rank from it; the fake process group needs no rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def run_variant(
-    name, entry_argv, env_extra, nproc, out_dir, timeout, numa_binding: str | None = None
+    name,
+    entry_argv,
+    env_extra,
+    nproc,
+    out_dir,
+    timeout,
+    numa_binding: str | None = None,
+    emulate: tuple[int, int] | None = None,
 ) -> tuple[int, str, str]:
     metrics, log = variant_files(out_dir, name)
     if os.path.exists(metrics):
@@ -242,15 +304,19 @@ def run_variant(
     # then the caller's.
     paths = (env_extra.get("PYTHONPATH"), ROOT, os.environ.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *([f"--numa-binding={numa_binding}"] if numa_binding else []),
-        *entry_argv,
-    ]
+    if emulate is not None:  # one process, rank emulate[1] of emulate[0]: no torchrun
+        env.update(emulation_env(*emulate))
+        cmd = [sys.executable, *entry_argv]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *([f"--numa-binding={numa_binding}"] if numa_binding else []),
+            *entry_argv,
+        ]
     with open(log, "w") as handle:
         handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         handle.flush()
@@ -585,6 +651,9 @@ def format_table(rows: list[dict], peak: float | None) -> str:
         "final loss",
         "speed-up",
     ]
+    emulated = any(r.get("emulated_world") for r in rows)
+    if emulated:
+        head[3:3] = ["tokens/s/GPU"]
     if fwd_bwd:
         head[2:2] = ["fwd+bwd ms", "fwd+bwd MFU", "fwd+bwd speed-up"]
     table = [head]
@@ -607,6 +676,8 @@ def format_table(rows: list[dict], peak: float | None) -> str:
             f"{r['final_loss']:.6f}" if r.get("final_loss") is not None else "-",
             f"{base / r['step_ms']:.2f}x" if base else "-",
         ]
+        if emulated:
+            row[3:3] = [f"{r['tokens_per_s_per_gpu']:,.0f}"]
         if fwd_bwd:
             ok = r.get("fwd_bwd_ms") and first.get("fwd_bwd_ms")
             row[2:2] = [
@@ -676,6 +747,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="NAME=FLAGS; repeatable. 'upstream' (no flags) is the unpatched baseline. "
         "Default: upstream only.",
     )
+    p.add_argument(
+        "--recipe",
+        action="append",
+        dest="variant",
+        type=parse_recipe,
+        metavar="RECIPE",
+        help="[label=]NAME [KNOB=VALUE ...]: a variant running a named recipe "
+        "(python -m megatron.patchset recipe --list), in command-line order with the --variant "
+        "ones; e.g. --recipe upstream_best --recipe 'small_batch EP=8'. A baseline recipe "
+        "(upstream_best) runs unpatched as 'upstream-best'.",
+    )
+    p.add_argument(
+        "--emulate",
+        metavar="WORLD_SIZE",
+        type=argsfile.at_least(2),
+        default=None,
+        help="run every variant as one rank of a WORLD_SIZE-GPU job on this one GPU: megatron's "
+        "--fake-process-group with WORLD_SIZE and RANK set, every collective skipped and the "
+        "expert-parallel exchanges stood in by the rank's own routing (megatron/patchset/core/"
+        "emulation.py). The tables add tokens/s per GPU and the communication the emulation "
+        "skipped, as predicted by tools/bench/comm_model.py.",
+    )
+    p.add_argument(
+        "--emulate-rank",
+        type=argsfile.at_least(0),
+        default=0,
+        help="with --emulate: the rank this GPU runs. Default: 0.",
+    )
+    comm_model.add_arguments(p)
     p.add_argument(
         "--nproc",
         type=argsfile.at_least(1),
@@ -818,6 +918,14 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
             record.refuse_existing(opts.record_dir, today(), opts.record, opts.record_overwrite)
         except record.RecordError as exc:
             p.error(str(exc))
+    if opts.emulate is not None:
+        if opts.nproc != 1:
+            p.error("--emulate runs one process: --nproc must be 1")
+        if opts.emulate_rank >= opts.emulate:
+            p.error(f"--emulate-rank must be below --emulate {opts.emulate}")
+        peers = [name for name, _ in opts.variant if peer_runner(name)]
+        if peers:
+            p.error(f"--emulate runs megatron variants only, not {', '.join(peers)}")
     if opts.repeat < 1:
         p.error("--repeat must be at least 1")
     if opts.warmup >= opts.iters:
@@ -885,6 +993,8 @@ def plan_runs(opts: argparse.Namespace) -> list[Planned]:
             env.update(entry_env)
             if opts.time_fwd_bwd:
                 env[FWD_BWD_ENV] = "1"
+            if opts.emulate is not None:
+                flags = [*flags, "--fake-process-group"]
             safe = label.replace(" ", "_").replace("=", "-").replace("/", "-")
             profile_dir = None
             if opts.profile_iteration is not None:
@@ -912,10 +1022,12 @@ def run_planned(run: Planned, opts: argparse.Namespace, peak: float | None) -> d
             opts.out,
             opts.timeout,
             opts.numa_binding,
+            emulate=None if opts.emulate is None else (opts.emulate, opts.emulate_rank),
         )
     row = {
         "variant": run.label,
         "flags": run.flags,
+        **({"argv": run.argv, "emulated_world": opts.emulate} if opts.emulate else {}),
         "env": run.env,
         "exit_code": code,
         "log": log,
@@ -994,7 +1106,63 @@ def build_result(
     }
     if opts.repeat > 1:
         result["pooled"] = pooled_rows(rows)
+    if opts.emulate:
+        result["emulate"] = emulation_result(opts, facts, rows)
     return result
+
+
+def emulation_result(opts: argparse.Namespace, facts: dict, rows: list[dict]) -> dict:
+    """The emulated layout, the links of the prediction, and per successful row the skipped
+    communication (tools/bench/comm_model.py) with the step it predicts."""
+    system, links = comm_model.links_of(opts, facts.get("device"))
+    for row in rows:
+        if row.get("error") or "argv" not in row:
+            continue
+        shape = comm_model.shape_of(row["argv"], opts.emulate)
+        predicted = comm_model.predict(shape, links, opts.gpus_per_node)
+        predicted.update(
+            comm_model.with_compute(
+                predicted, row["step_ms"], row.get("fwd_bwd_ms"), row["tflops_per_gpu"]
+            )
+        )
+        row["comm"] = predicted
+    return {
+        "world_size": opts.emulate,
+        "rank": opts.emulate_rank,
+        "system": system,
+        "gpus_per_node": opts.gpus_per_node,
+        "links": dataclasses.asdict(links),
+    }
+
+
+def format_comm_table(rows: list[dict]) -> str:
+    head = [
+        "variant",
+        "all-to-all ms",
+        "grad reduce ms",
+        "param gather ms",
+        "emulated step ms",
+        "predicted step ms",
+        "predicted TFLOP/s/GPU",
+    ]
+    table = [head]
+    for r in rows:
+        c = r.get("comm")
+        if c is None:
+            continue
+        table.append(
+            [
+                r["variant"],
+                f"{c['a2a_ms']:.1f} ({c['a2a_count']} x {c['a2a_mb_each']:.0f} MB, "
+                f"{c['a2a_link']})",
+                f"{c['grad_ms']:.1f} ({c['dp_link']})",
+                f"{c['param_ms']:.1f}",
+                f"{r['step_ms']:.1f}",
+                f"{c['step_overlapped_ms']:.1f} - {c['step_exposed_ms']:.1f}",
+                f"{c['tflops_overlapped']:.0f} - {c['tflops_exposed']:.0f}",
+            ]
+        )
+    return trace_summary.markdown_table(table)
 
 
 def write_outputs(result: dict, out_dir: str) -> str | None:
@@ -1021,6 +1189,22 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
                 "of every repeat's timed iterations, each repeat's own median, speed-up against "
                 "the first variant",
                 format_pooled_table(result["pooled"]),
+            )
+        )
+    emulate = result.get("emulate")
+    if emulate:
+        links = emulate["links"]
+        sections.append(
+            (
+                f"the communication the emulation skipped (rank {emulate['rank']} of "
+                f"{emulate['world_size']}), predicted for {emulate['system']} nodes of "
+                f"{emulate['gpus_per_node']} GPUs: bus bandwidths {links['a2a_nvlink']:.0f} GB/s "
+                f"all-to-all and {links['nvlink']:.0f} GB/s gather and reduce on NVLink, "
+                f"{links['nic']:.0f} GB/s per GPU's network card across nodes. The step adds "
+                "the all-to-all, not overlapped, and the data-parallel traffic hidden behind "
+                "forward and backward up to their length (first figure) or not at all (second). "
+                "A plan, not a measurement: tools/bench/comm_model.py",
+                format_comm_table(result["variants"]),
             )
         )
     if result.get("profile_iteration") is not None:

@@ -254,7 +254,9 @@ def test_upstream_variants_run_unpatched():
 def test_bench_time_fwd_bwd_sets_the_timer_for_every_variant(tmp_path, monkeypatch):
     envs = {}
 
-    def fake_run(name, entry_argv, env_extra, nproc, out_dir, timeout, numa_binding=None):
+    def fake_run(
+        name, entry_argv, env_extra, nproc, out_dir, timeout, numa_binding=None, emulate=None
+    ):
         envs[name] = dict(env_extra)
         log = tmp_path / f"{name}.log"
         log.write_text("not run\n")
@@ -498,3 +500,95 @@ def test_report_sections_follow_the_options_of_the_run():
     captions = [c for c, _ in bench.report_sections(result)]
     assert captions[1].startswith("pooled over 2 repeats")
     assert captions[2].startswith("torch.profiler, iteration 3")
+
+
+def test_a_recipe_variant_carries_the_recipes_flags_and_runs_upstream_when_it_is_the_baseline():
+    from megatron.patchset import recipes
+
+    name, flags = bench.parse_recipe("small_batch EP=8")
+    assert name == "small-batch:EP=8" and flags == recipes.flags("small_batch", EP=8)
+    label, flags = bench.parse_recipe("upstream_best")
+    assert label == "upstream-best" and bench.is_upstream(label, flags)
+    label, flags = bench.parse_recipe("fsdp=fsdp_cuda_graphs GRAPHS=0")
+    assert label == "fsdp" and flags[0] == "CUDA_DEVICE_MAX_CONNECTIONS=8"
+    for bad, why in (
+        ("small_batch GRAPHS=foo", "GRAPHS must be full, layer or none"),
+        ("nope", "no recipe named 'nope'"),
+        ("base=upstream_best", "its label must start with 'upstream-'"),
+    ):
+        with pytest.raises(Exception, match=why):
+            bench.parse_recipe(bad)
+
+
+def test_recipes_and_variants_run_in_command_line_order(tmp_path):
+    opts = bench.parse_options(
+        [
+            "--config",
+            TINY,
+            "--out",
+            str(tmp_path),
+            "--recipe",
+            "upstream_best",
+            "--variant",
+            "x=",
+            "--recipe",
+            "small_batch KERNELS=0",
+        ]
+    )
+    assert [name for name, _ in opts.variant] == ["upstream-best", "x", "small-batch:KERNELS=0"]
+
+
+def test_emulate_runs_one_process_as_a_rank_of_the_layout(tmp_path, monkeypatch):
+    commands = []
+
+    def fake_subprocess_run(cmd, env=None, **kwargs):
+        commands.append((cmd, env))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_subprocess_run)
+    bench.run_variant("a", ["pretrain_gpt.py", "--bf16"], {}, 1, str(tmp_path), 10, emulate=(32, 5))
+    cmd, env = commands[0]
+    assert cmd[1:] == ["pretrain_gpt.py", "--bf16"] and "torch.distributed.run" not in cmd
+    assert (env["WORLD_SIZE"], env["RANK"], env["LOCAL_RANK"]) == ("32", "5", "0")
+    plan = bench.plan_runs(
+        bench.parse_options(
+            [
+                "--config",
+                TINY,
+                "--out",
+                str(tmp_path),
+                "--emulate",
+                "32",
+                "--recipe",
+                "upstream_best",
+            ]
+        )
+    )
+    assert plan[0].argv[-1] == "--fake-process-group"
+    with pytest.raises(SystemExit):
+        bench.parse_options(["--config", TINY, "--emulate", "8", "--nproc", "2"])
+    with pytest.raises(SystemExit):
+        bench.parse_options(["--config", TINY, "--emulate", "8", "--emulate-rank", "8"])
+
+
+def test_an_emulated_run_reports_tokens_per_gpu_and_the_skipped_communication(tmp_path):
+    argv = bench.argsfile.read(os.path.join(os.path.dirname(TINY), "qwen3_30b_a3b.args"))
+    argv += ["--expert-model-parallel-size", "8", "--use-distributed-optimizer"]
+    row = {"variant": "fork", "argv": argv, "emulated_world": 32}
+    row.update(
+        bench.summarize(
+            records([0.5, 0.5, 0.5], [3.0, 2.0, 1.0], tokens=32 * 4096, world=32), 1, 790.0
+        )
+    )
+    opts = bench.parse_options(
+        ["--config", TINY, "--out", str(tmp_path), "--emulate", "32", "--system", "h100"]
+    )
+    result = {"iters": 3, "warmup": 1, "peak_tflops": 790.0, "variants": [row]}
+    result["emulate"] = bench.emulation_result(opts, {"device": "NVIDIA H200"}, [row])
+    assert result["emulate"]["system"] == "h100"
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(4096 / 0.5)
+    captions = [caption for caption, _ in bench.report_sections(result)]
+    table = dict(bench.report_sections(result))
+    assert "tokens/s/GPU" in table[captions[0]]
+    assert "rank 0 of 32" in captions[1] and "h100" in captions[1]
+    assert row["comm"]["step_exposed_ms"] > row["step_ms"]

@@ -142,7 +142,7 @@ def write_log(tmp_path, name, text):
 def test_bench_prints_the_cause_of_a_failed_variant_and_puts_it_in_its_row(
     tmp_path, monkeypatch, capsys
 ):
-    def fake_run(name, entry_argv, env_extra, nproc, out_dir, timeout, numa_binding=None):
+    def fake_run(name, entry_argv, env_extra, nproc, out_dir, timeout, numa_binding=None, **_):
         return (
             1,
             str(tmp_path / f"{name}.jsonl"),
@@ -171,7 +171,7 @@ def test_without_a_cause_bench_prints_the_end_of_the_log(tmp_path, capsys):
 
 
 def test_profile_step_prints_the_cause(tmp_path, monkeypatch, capsys):
-    def fake_run(name, entry_argv, env_extra, nproc, out_dir, timeout, numa_binding=None):
+    def fake_run(name, entry_argv, env_extra, nproc, out_dir, timeout, numa_binding=None, **_):
         return 1, str(tmp_path / "m.jsonl"), write_log(tmp_path, name, output(START, RAISED, END))
 
     monkeypatch.setattr(bench, "run_variant", fake_run)
