@@ -20,37 +20,20 @@ set -euo pipefail
 # shellcheck source=examples/lib/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
-# ---- knobs ---------------------------------------------------------------------------
+# ---- knobs (the compile recipe's: FSDP, COMPILE, MODE, WARMUP, EP; docs/recipes.md) ------
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
-FSDP=${FSDP:-0}                 # 1: Megatron-FSDP (optim_grads_params), no expert parallelism
-COMPILE=${COMPILE:-1}           # 0: eager, for comparison
-MODE=${MODE:-default}           # --compile-transformer-layers-mode
-WARMUP=${WARMUP:-2}             # --compile-transformer-layers-warmup-iters
+FSDP=${FSDP:-0}
 TRAIN_ITERS=${TRAIN_ITERS:-50}
-switch_knobs FSDP COMPILE
-choice_knob MODE default max-autotune-no-cudagraphs reduce-overhead max-autotune
-int_knobs 0 WARMUP
 int_knobs 1 TRAIN_ITERS EP
+recipe_args compile                  # the knobs set so far, checked before anything prints
 default_ngpus 1
 EP=${EP:-$([ "$FSDP" = 1 ] && echo 1 || echo "$NGPUS")}
 
 # ---- arguments, by group -------------------------------------------------------------
 read_config "$CONFIG"
 TRAINING_ARGS=(--train-iters "$TRAIN_ITERS" --global-batch-size $((4 * NGPUS)))
-PARALLEL_ARGS=(--expert-model-parallel-size "$EP")
-if [ "$FSDP" = 1 ]; then
-  # Megatron-FSDP's hooks sit on whole TransformerLayers (its unit modules), outside the compiled
-  # forward. It needs the fsdp_dtensor checkpoint format and more than one CUDA connection.
-  PARALLEL_ARGS+=(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
-                  --no-gradient-accumulation-fusion --ckpt-format fsdp_dtensor)
-  export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-8}
-fi
-COMPILE_ARGS=()
-if [ "$COMPILE" = 1 ]; then
-  COMPILE_ARGS=(--compile-transformer-layers --compile-transformer-layers-mode "$MODE"
-                --compile-transformer-layers-warmup-iters "$WARMUP")
-fi
+recipe_args compile
 
 # ---- launch (DRY_RUN=1: the --dry-run of the same flags) -------------------------------
-launch_local "$NGPUS" "EP=$EP FSDP=$FSDP COMPILE=$COMPILE" \
-  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${COMPILE_ARGS[@]}"
+launch_local "$NGPUS" "compile recipe, EP=$EP FSDP=$FSDP COMPILE=${COMPILE:-1}" \
+  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${RECIPE_ARGS[@]}"

@@ -27,37 +27,25 @@ set -euo pipefail
 # shellcheck source=examples/lib/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
-# ---- knobs ---------------------------------------------------------------------------
+# ---- knobs (the flex_dispatch recipe's: BACKEND, NUM_SMS, RANK_CAPACITY, EP; docs/recipes.md) --
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
-BACKEND=${BACKEND:-deepep}          # deepep | hybridep | ncclep | alltoall
-NUM_SMS=${NUM_SMS:-}                # --moe-flex-dispatcher-num-sms (DeepEP default 20)
-RANK_CAPACITY=${RANK_CAPACITY:-2.0} # ncclep/hybridep: --moe-expert-rank-capacity-factor
 TRAIN_ITERS=${TRAIN_ITERS:-50}
 DEEPEP_PATH=${DEEPEP_PATH:-}        # DEST of tools/build/build_deepep.sh
 NCCL_LIB=${NCCL_LIB:-}              # libnccl.so.2 >= 2.32.3 for ncclep
 NCCL_INCLUDE=${NCCL_INCLUDE:-}      # ncclep: NCCL headers of NCCL_LIB's version (NCCL EP's kernel JIT)
-choice_knob BACKEND deepep hybridep ncclep alltoall
-int_knobs 1 NUM_SMS TRAIN_ITERS EP
-number_knobs RANK_CAPACITY
+int_knobs 1 TRAIN_ITERS EP
+recipe_args flex_dispatch                  # the knobs set so far, checked before anything prints
 default_ngpus 2 2
 EP=${EP:-$NGPUS}                    # expert model parallel: the flex group is TP x EP (>= 2)
 
 # ---- arguments -----------------------------------------------------------------------
 read_config "$CONFIG"
 TRAINING_ARGS=(--train-iters "$TRAIN_ITERS")
-PARALLEL_ARGS=(--expert-model-parallel-size "$EP")
-
-# DeepEP and NCCL EP take fp32 routing weights (megatron casts others, with a warning).
-DISPATCH_ARGS=(--moe-token-dispatcher-type alltoall)
-if [ "$BACKEND" != alltoall ]; then
-  DISPATCH_ARGS=(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend "$BACKEND" --moe-router-dtype fp32)
-  if [ -n "$NUM_SMS" ]; then DISPATCH_ARGS+=(--moe-flex-dispatcher-num-sms "$NUM_SMS"); fi
-  if [ "$BACKEND" = ncclep ]; then DISPATCH_ARGS+=(--moe-expert-rank-capacity-factor "$RANK_CAPACITY"); fi
-fi
+recipe_args flex_dispatch
 
 # ---- environment and launch (DRY_RUN=1: the --dry-run of the same flags) ----------------
 if [ -n "$DEEPEP_PATH" ]; then export PYTHONPATH="$DEEPEP_PATH${PYTHONPATH:+:$PYTHONPATH}"; fi
 if [ -n "$NCCL_LIB" ]; then export LD_PRELOAD="$NCCL_LIB${LD_PRELOAD:+:$LD_PRELOAD}"; fi
 if [ -n "$NCCL_INCLUDE" ]; then export NCCL_EP_JIT_BUILD_INCLUDE_DIR="$NCCL_INCLUDE"; fi
-launch_local "$NGPUS" "EP=$EP, backend $BACKEND" \
-  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DISPATCH_ARGS[@]}"
+launch_local "$NGPUS" "flex_dispatch recipe, EP=$EP, backend ${BACKEND:-deepep}" \
+  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${RECIPE_ARGS[@]}"

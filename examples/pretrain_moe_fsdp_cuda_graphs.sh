@@ -27,41 +27,17 @@ set -euo pipefail
 # shellcheck source=examples/lib/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
-# ---- knobs ---------------------------------------------------------------------------
+# ---- knobs (the fsdp_cuda_graphs recipe's: EP, GRAPHS, SCOPES, WARMUP_STEPS; docs/recipes.md) --
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
 NGPUS=${NGPUS:-2}
-EP=${EP:-1}                       # expert model parallel
-GRAPHS=${GRAPHS:-1}               # 0: eager Megatron-FSDP
-SCOPES=${SCOPES:-attn moe_router moe_preprocess}   # --cuda-graph-modules
-WARMUP_STEPS=${WARMUP_STEPS:-3}   # eager steps before capture
 TRAIN_ITERS=${TRAIN_ITERS:-50}
-int_knobs 1 NGPUS EP TRAIN_ITERS
-int_knobs 0 WARMUP_STEPS
-switch_knobs GRAPHS
+int_knobs 1 NGPUS TRAIN_ITERS
 
 # ---- arguments, by group -------------------------------------------------------------
 read_config "$CONFIG"
 TRAINING_ARGS=(--train-iters "$TRAIN_ITERS")
-PARALLEL_ARGS=(--expert-model-parallel-size "$EP")
+recipe_args fsdp_cuda_graphs   # exports CUDA_DEVICE_MAX_CONNECTIONS=8 unless set
 
-FSDP_ARGS=(
-  --use-megatron-fsdp
-  --data-parallel-sharding-strategy optim_grads_params
-  --ckpt-format fsdp_dtensor
-  --fsdp-double-buffer
-  --fsdp-db-use-persist-buf-on-alloc-fail
-)
-
-GRAPH_ARGS=()
-if [ "$GRAPHS" = 1 ]; then
-  # shellcheck disable=SC2206  # SCOPES is a list of words
-  GRAPH_ARGS=(--cuda-graph-impl transformer_engine --cuda-graph-warmup-steps "$WARMUP_STEPS"
-              --cuda-graph-modules $SCOPES)
-fi
-
-# ---- environment and launch (DRY_RUN=1: the --dry-run of the same flags) ----------------
-# Megatron-FSDP overlaps its all-gathers and reduce-scatters with compute: it refuses
-# CUDA_DEVICE_MAX_CONNECTIONS=1.
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-8}
-launch_local "$NGPUS" "EP=$EP, graphs: ${GRAPHS/1/$SCOPES}" \
-  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${FSDP_ARGS[@]}" "${GRAPH_ARGS[@]}"
+# ---- launch (DRY_RUN=1: the --dry-run of the same flags) -------------------------------
+launch_local "$NGPUS" "fsdp_cuda_graphs recipe, EP=${EP:-1}, graphs ${GRAPHS:-1}" \
+  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${RECIPE_ARGS[@]}"

@@ -24,60 +24,31 @@ set -euo pipefail
 # shellcheck source=examples/lib/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
-# ---- knobs ---------------------------------------------------------------------------
+# ---- knobs (the p2p_overlap recipe's: EP, P2P_OVERLAP, BWD_ON_COMM, DELAYED_LAYERS, TL_WGRAD;
+# docs/recipes.md) and the layout's -------------------------------------------------------
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
 NGPUS=${NGPUS:-4}
 TP=${TP:-1}                     # tensor model parallel
 PP=${PP:-2}                     # pipeline model parallel
 VPP=${VPP:-2}                   # virtual pipeline stages (model chunks) per pipeline rank
-EP=${EP:-2}                     # expert model parallel
 NUM_LAYERS=${NUM_LAYERS:-8}     # NUM_LAYERS / PP / VPP layers per model chunk
 MICRO_BATCH=${MICRO_BATCH:-4}
 GLOBAL_BATCH=${GLOBAL_BATCH:-64}  # 8 micro-batches per step at DP=2
 TRAIN_ITERS=${TRAIN_ITERS:-50}
-P2P_OVERLAP=${P2P_OVERLAP:-1}   # 0: none of the fork's three flags
-BWD_ON_COMM=${BWD_ON_COMM:-1}   # --overlap-p2p-backward-on-comm-stream
-DELAYED_LAYERS=${DELAYED_LAYERS:-2}  # --overlap-p2p-wgrad-delayed-layer-number
-TL_WGRAD=${TL_WGRAD:-1}         # --overlap-p2p-with-transformer-layer-wgrad
-int_knobs 1 NGPUS TP PP VPP EP NUM_LAYERS MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS
-int_knobs 0 DELAYED_LAYERS
-switch_knobs P2P_OVERLAP BWD_ON_COMM TL_WGRAD
+int_knobs 1 NGPUS TP PP VPP NUM_LAYERS MICRO_BATCH GLOBAL_BATCH TRAIN_ITERS
 
 # ---- arguments, by group -------------------------------------------------------------
 read_config "$CONFIG"
 MODEL_ARGS=(--num-layers "$NUM_LAYERS")
-
-TRAINING_ARGS=(
-  --micro-batch-size "$MICRO_BATCH"
-  --global-batch-size "$GLOBAL_BATCH"
-  --train-iters "$TRAIN_ITERS"
-)
-
+TRAINING_ARGS=(--micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS")
 PARALLEL_ARGS=(
   --tensor-model-parallel-size "$TP"
   --pipeline-model-parallel-size "$PP"
   --num-layers-per-virtual-pipeline-stage $((NUM_LAYERS / PP / VPP))
 )
 if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
+recipe_args p2p_overlap   # exports CUDA_DEVICE_MAX_CONNECTIONS=32 unless set
 
-# The fine-grained schedule: EP all-to-all overlapped with the other micro-batch's compute,
-# weight gradients computed separately (TransformerEngine) so that they can be deferred.
-MOE_ARGS=(
-  --expert-model-parallel-size "$EP"
-  --overlap-moe-expert-parallel-comm
-  --delay-wgrad-compute
-)
-
-P2P_ARGS=()
-if [ "$P2P_OVERLAP" = 1 ]; then
-  if [ "$BWD_ON_COMM" = 1 ]; then P2P_ARGS+=(--overlap-p2p-backward-on-comm-stream); fi
-  P2P_ARGS+=(--overlap-p2p-wgrad-delayed-layer-number "$DELAYED_LAYERS")
-  if [ "$TL_WGRAD" = 1 ]; then P2P_ARGS+=(--overlap-p2p-with-transformer-layer-wgrad); fi
-fi
-
-# ---- environment and launch (DRY_RUN=1: the --dry-run of the same flags) ----------------
-# The all-to-all overlap runs kernels on two streams at once: allow several hardware queues.
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
-launch_local "$NGPUS" "PP=$PP VPP=$VPP EP=$EP TP=$TP" \
-  "${CONFIG_ARGS[@]}" "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
-  "${MOE_ARGS[@]}" "${P2P_ARGS[@]}"
+# ---- launch (DRY_RUN=1: the --dry-run of the same flags) -------------------------------
+launch_local "$NGPUS" "p2p_overlap recipe, PP=$PP VPP=$VPP EP=${EP:-2} TP=$TP" \
+  "${CONFIG_ARGS[@]}" "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${RECIPE_ARGS[@]}"

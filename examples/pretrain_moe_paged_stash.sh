@@ -32,64 +32,22 @@ set -euo pipefail
 # shellcheck source=examples/lib/launch.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/launch.sh"
 
-# ---- knobs ---------------------------------------------------------------------------
+# ---- knobs (the paged_stash recipe's: EP, BACKEND, CAPACITY, STASH, PAGE_SIZE, CUDA_FACTOR,
+# CPU_FACTOR, GRAPHS; docs/recipes.md) ---------------------------------------------------
 CONFIG=${CONFIG:-examples/configs/tiny_moe.args}
 NGPUS=${NGPUS:-2}
-EP=${EP:-2}                           # expert model parallel
-BACKEND=${BACKEND:-ncclep}            # flex dispatcher backend: ncclep or hybridep
-choice_knob BACKEND ncclep hybridep
-case "$BACKEND" in
-  ncclep) DEFAULT_CAPACITY=2.0 ;;     # exceeding NCCL EP's budget traps: be generous
-  hybridep) DEFAULT_CAPACITY=1.5 ;;   # HybridEP drops over-budget tokens; megatron re-runs the step
-esac
-CAPACITY=${CAPACITY:-$DEFAULT_CAPACITY}  # --moe-expert-rank-capacity-factor (receive budget / balanced)
-STASH=${STASH:-1}                     # --moe-paged-stash
-PAGE_SIZE=${PAGE_SIZE:-64}            # tokens per page
-CUDA_FACTOR=${CUDA_FACTOR:-1.1}       # GPU stash size relative to the expected tokens
-CPU_FACTOR=${CPU_FACTOR:-0.0}         # pinned host pages (0: none)
-GRAPHS=${GRAPHS:-1}                   # TE graphs of attn, moe_router, moe_preprocess
 TRAIN_ITERS=${TRAIN_ITERS:-50}
-int_knobs 1 NGPUS EP PAGE_SIZE TRAIN_ITERS
-number_knobs CAPACITY CUDA_FACTOR CPU_FACTOR
-switch_knobs STASH GRAPHS
+int_knobs 1 NGPUS TRAIN_ITERS
 
 # ---- arguments, by group -------------------------------------------------------------
 read_config "$CONFIG"
 TRAINING_ARGS=(--train-iters "$TRAIN_ITERS")
-MOE_ARGS=(
-  --expert-model-parallel-size "$EP"
-  --moe-token-dispatcher-type flex
-  --moe-flex-dispatcher-backend "$BACKEND"
-  --use-transformer-engine-op-fuser     # megatron pages only the op-fuser expert MLP
-  --moe-expert-rank-capacity-factor "$CAPACITY"
-)
-if [ "$BACKEND" = hybridep ]; then
-  MOE_ARGS+=(--moe-router-dtype fp32)   # HybridEP takes fp32 probabilities
-else
-  MOE_ARGS+=(--moe-ncclep-static-shape) # experts take the static receive buffer (paging needs it)
-fi
-STASH_ARGS=()
-if [ "$STASH" = 1 ]; then
-  STASH_ARGS=(
-    --moe-paged-stash
-    --moe-paged-stash-page-size "$PAGE_SIZE"
-    --moe-paged-stash-buffer-size-factor-cuda "$CUDA_FACTOR"
-    --moe-paged-stash-buffer-size-factor-cpu "$CPU_FACTOR"
-  )
-fi
-GRAPH_ARGS=()
-if [ "$GRAPHS" = 1 ]; then
-  GRAPH_ARGS=(--cuda-graph-impl transformer_engine --cuda-graph-modules attn moe_router moe_preprocess
-              --cuda-graph-warmup-steps 2)
-fi
+recipe_args paged_stash   # exports NVTE_CUTEDSL_FUSED_GROUPED_MLP=1 unless set
 
 # ---- environment and launch (DRY_RUN=1: the --dry-run of the same flags) ----------------
-# megatron admits SwiGLU experts to TE's op fuser only with this set; on Hopper TE still runs its
-# basic grouped-linear/SwiGLU ops (the fused kernel it names is Blackwell-only).
-export NVTE_CUTEDSL_FUSED_GROUPED_MLP=${NVTE_CUTEDSL_FUSED_GROUPED_MLP:-1}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}   # HybridEP and NCCL EP compile kernels with nvcc at run time
-if [ "$BACKEND" = ncclep ] && [ -n "${NCCL_INCLUDE:-}" ]; then
+if [ "${BACKEND:-ncclep}" = ncclep ] && [ -n "${NCCL_INCLUDE:-}" ]; then
   export NCCL_EP_JIT_BUILD_INCLUDE_DIR=${NCCL_EP_JIT_BUILD_INCLUDE_DIR:-$NCCL_INCLUDE}
 fi
-launch_local "$NGPUS" "EP=$EP, $BACKEND, paged stash $STASH, graphs $GRAPHS" \
-  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MOE_ARGS[@]}" "${STASH_ARGS[@]}" "${GRAPH_ARGS[@]}"
+launch_local "$NGPUS" "paged_stash recipe, EP=${EP:-2}, ${BACKEND:-ncclep}, paged stash ${STASH:-1}, graphs ${GRAPHS:-1}" \
+  "${CONFIG_ARGS[@]}" "${TRAINING_ARGS[@]}" "${RECIPE_ARGS[@]}"

@@ -131,6 +131,10 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 command -v "$PYTHON" >/dev/null 2>&1 \
   || bad_knob "PYTHON must name a Python interpreter with torch and megatron-core (got '$PYTHON')"
+"$PYTHON" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("megatron.core")))' \
+  2>/dev/null || bad_knob "PYTHON=$PYTHON cannot import torch and megatron.core: install the pinned stack \
+(pip install -e '.[te]', or bash tools/ci/run_tests.sh, which creates .venv) or set PYTHON to an \
+interpreter that has it"
 DRY_RUN=${DRY_RUN:-0}
 switch_knobs DRY_RUN
 EXTRA=${EXTRA:-}
@@ -212,6 +216,30 @@ read_config() {
     fi
     CONFIG_ARGS+=("${DATA_ARGS[@]}")
   fi
+}
+
+# ---- recipes -------------------------------------------------------------------------------------
+# recipe_args NAME: RECIPE_ARGS, the flags of the named recipe (megatron/patchset/recipes/NAME.py,
+# docs/recipes.md) for the recipe's knobs as set here (a shell variable or the environment; unset
+# or empty: the recipe's default), and the recipe's environment defaults exported where not set.
+# A bad knob value stops the launcher with the recipe's one-line message and exit code 2.
+recipe_args() {
+  local name=$1 knob out line var settings=()
+  out=$("$PYTHON" -m megatron.patchset recipe --knobs "$name") || exit 2
+  for knob in $out; do
+    if [ -n "${!knob:-}" ]; then settings+=("$knob=${!knob}"); fi
+  done
+  out=$("$PYTHON" -m megatron.patchset recipe --lines "$name" "${settings[@]}") || exit 2
+  RECIPE_ARGS=()
+  while IFS= read -r line; do
+    case "$line" in
+      "env "*)
+        line=${line#env }
+        var=${line%%=*}
+        if [ -z "${!var:-}" ]; then export "$var=${line#*=}"; fi ;;
+      ?*) RECIPE_ARGS+=("$line") ;;
+    esac
+  done <<<"$out"
 }
 
 # ---- launch --------------------------------------------------------------------------------------

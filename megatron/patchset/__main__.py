@@ -1,5 +1,6 @@
-"""``python -m megatron.patchset``: the registry by feature (``--list``), the version guard, and
-``export`` (each feature as source edits to a Megatron-LM checkout)."""
+"""``python -m megatron.patchset``: the registry by feature (``--list``), the version guard,
+``recipe`` (the flags of a named recipe) and ``export`` (each feature as source edits to a
+Megatron-LM checkout)."""
 
 import argparse
 import sys
@@ -14,11 +15,16 @@ def main(argv=None) -> int:
         from megatron.patchset.export import cli
 
         return cli.main(argv[1:])
+    if argv[:1] == ["recipe"]:
+        from megatron.patchset.recipes import cli as recipe_cli
+
+        return recipe_cli.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m megatron.patchset",
         description=f"megatron-patchset {__version__}: patches over megatron-core "
         f"{versions.SUPPORTED_MCORE_VERSION}, grouped by feature. 'python -m megatron.patchset "
-        "export --help': each feature as source edits to a Megatron-LM checkout.",
+        "export --help': each feature as source edits to a Megatron-LM checkout; "
+        "'python -m megatron.patchset recipe --help': the flags of a named recipe.",
     )
     parser.add_argument(
         "--list", action="store_true", help="Print every feature with its flags, rules and patches."

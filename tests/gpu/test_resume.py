@@ -1,17 +1,19 @@
 """A resumed run continues exactly: 20 iterations in one go against ``--exit-interval 10 --save``
 and a second launch with ``--load``; iterations 11-20 have the same losses and gradient norms to
 the last bit (``--deterministic-mode``), through pretrain_gpt.py on one GPU. For plain training,
-the full-iteration CUDA-graph recipe (experts as grouped GEMMs, token counts on the GPU), that
-recipe with torch's fused Adam captured too (``--adam-impl torch --optimizer-cuda-graph``) and
-with the one-kernel Adam step captured (``--adam-impl triton``),
-Megatron-FSDP with TE per-layer graphs, and per-layer torch.compile; the offload API's harness
-saves after an offload/reload cycle and reloads right after loading. All runs of a stage start at
+the small_batch recipe (docs/recipes.md) without its kernels, with torch's fused Adam captured
+too (``--adam-impl torch --optimizer-cuda-graph``), whole (the one-kernel Adam step captured, the
+Triton cross entropy), and whole with megatron's distributed optimizer; the fsdp_cuda_graphs
+recipe (Megatron-FSDP with TE per-layer graphs) and the compile recipe (per-layer
+torch.compile); the offload API's harness saves after an offload/reload cycle and reloads right
+after loading. All runs of a stage start at
 once (they share the GPU): this checks numerics, not time."""
 
 import os
 
 import pytest
 
+from megatron.patchset import recipes
 from tests.gpu.conftest import ROOT, first_difference, launch, launch_many, tiny_argv
 
 pytestmark = pytest.mark.gpu
@@ -27,47 +29,23 @@ NUMERICS = (
     "--train-iters",
     str(ITERS),
 )
-FULL_ITERATION = (
-    "--moe-grouped-gemm-impl",
-    "torch",
-    "--moe-expert-splits-on-device",
-    "--moe-permute-fusion",
-    "--no-check-for-nan-in-loss-and-grad",
-    "--cuda-graph-impl",
-    "full_iteration",
-    "--cuda-graph-warmup-steps",
-    "2",
-)
 RECIPES = {
     "plain": ((), {}),
-    "full_iteration": (FULL_ITERATION, {}),
+    # the small_batch recipe without its kernels, with torch's Adam captured, and whole
+    "full_iteration": (recipes.flags("small_batch", KERNELS=0, OPTIMIZER_GRAPH=0), {}),
     "full_iteration_torch_adam_graph": (
-        FULL_ITERATION + ("--optimizer-cuda-graph", "--adam-impl", "torch"),
+        (*recipes.flags("small_batch", KERNELS=0), "--adam-impl", "torch"),
         {},
     ),
-    "full_iteration_triton_adam_graph": (
-        FULL_ITERATION + ("--optimizer-cuda-graph", "--adam-impl", "triton"),
-        {},
-    ),
+    "full_iteration_triton_adam_graph": (recipes.flags("small_batch"), {}),
+    # the same with megatron's distributed optimizer (one data-parallel rank: the shard is the
+    # whole) and its torch_dist checkpoint
+    "full_iteration_triton_adam_graph_distopt": (recipes.flags("small_batch", DIST_OPT=1), {}),
     "fsdp_te_graphs": (
-        (
-            "--use-megatron-fsdp",
-            "--data-parallel-sharding-strategy",
-            "optim_grads_params",
-            "--ckpt-format",
-            "fsdp_dtensor",
-            "--fsdp-double-buffer",
-            "--fsdp-db-use-persist-buf-on-alloc-fail",
-            "--cuda-graph-impl",
-            "transformer_engine",
-            "--cuda-graph-warmup-steps",
-            "3",
-            "--cuda-graph-modules",
-            "attn",
-        ),
-        {"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
+        recipes.get("fsdp_cuda_graphs")(SCOPES="attn").flags,
+        dict(recipes.get("fsdp_cuda_graphs")().env),
     ),
-    "compile": (("--compile-transformer-layers",), {}),
+    "compile": (recipes.flags("compile"), {}),
 }
 
 

@@ -67,3 +67,26 @@ def path_without_nvidia_smi(tmp_path):
             if entry.is_file() and os.access(entry.path, os.X_OK):
                 link.symlink_to(entry.path)
     return str(folder)
+
+
+@pytest.fixture
+def launched_flags(tmp_path):
+    """``launched_flags(script, **knobs)``: the argv a launcher's DRY_RUN=1 mode prints, with an
+    interpreter that answers the launcher's own questions (packages, recipe flags) and skips the
+    dry-run itself (fast: the flags, not their check)."""
+    import sys
+
+    from tests.unit.conftest import dry_run_example
+
+    stub = tmp_path / "python"
+    stub.write_text(
+        f'#!/bin/bash\nif [ "$1" = pretrain_gpt.py ]; then exit 0; fi\nexec {sys.executable} "$@"\n'
+    )
+    stub.chmod(0o755)
+
+    def run(script, **knobs):
+        proc = dry_run_example(script, PYTHON=str(stub), **knobs)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return dry_run_command(proc.stdout)[1:]
+
+    return run

@@ -230,15 +230,19 @@ def test_local_launchers_share_one_library(script):
 
 @pytest.fixture
 def recorder(tmp_path):
-    """A stand-in for the interpreter, srun and scontrol: each call appends its program name and
+    """A stand-in for the interpreter, srun and scontrol: each call but the launcher's questions to
+    the real interpreter (its packages, its recipe's flags) appends its program name and
     arguments to a log (one line, fields separated by \\x1f); returns (PYTHON, PATH, calls)."""
     folder = tmp_path / "fake"
     folder.mkdir()
+    real_python = sys.executable
     log = tmp_path / "calls.log"
     stub = folder / "python"
     stub.write_text(
         "#!/bin/bash\n"
         'if [ "$(basename "$0")" = scontrol ]; then echo node1; exit 0; fi\n'
+        # the launcher's own questions (its interpreter's packages, its recipe's flags) are answered
+        f'case "$1 $2" in "-m megatron.patchset"|"-c "*find_spec*) exec {real_python} "$@";; esac\n'
         f'printf \'%s\\x1f\' "$(basename "$0")" "$@" >> {log}\n'
         f"echo >> {log}\n"
     )

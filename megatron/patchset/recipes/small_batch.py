@@ -1,0 +1,74 @@
+"""The small-micro-batch recipe: MoE training out of the host-overhead regime.
+
+The experts run as one grouped GEMM each for forward, dgrad and wgrad with the per-expert token
+counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slots
+(``--moe-static-dispatch``). With ``GRAPHS=full`` megatron replays the whole forward and backward
+as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer step as a second
+(``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the Triton cross entropy.
+Megatron's NaN check and its level-1/2 timers synchronise inside the step, so they are off under
+the capture (the fork's rules refuse them otherwise).
+"""
+
+from megatron.patchset.recipes import recipe as r
+
+_LAYER_GRAPHS = (
+    "--cuda-graph-impl",
+    "transformer_engine",
+    "--cuda-graph-modules",
+    "attn",
+    "moe_router",
+    "moe_preprocess",
+    "--cuda-graph-warmup-steps",
+    "2",
+)
+
+
+def _build(k) -> r.Built:
+    flags = ["--manual-gc", "--cross-entropy-loss-fusion"]
+    flags += ["--expert-model-parallel-size", str(k.ep), "--moe-grouped-gemm-impl", "torch"]
+    if k.dist_opt:
+        flags += ["--use-distributed-optimizer"]
+    if k.graphs == "full":
+        flags += ["--moe-expert-splits-on-device"]
+        if k.ep > 1:
+            flags += ["--moe-static-dispatch"]
+            flags += ["--moe-static-dispatch-capacity-factor", f"{k.capacity_factor:g}"]
+        flags += ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2"]
+        flags += ["--no-check-for-nan-in-loss-and-grad", "--timing-log-level", "0"]
+        if k.optimizer_graph:
+            flags += ["--optimizer-cuda-graph"]
+        if k.kernels:
+            flags += ["--adam-impl", "triton", "--cross-entropy-triton"]
+    elif k.graphs == "layer":
+        flags += list(_LAYER_GRAPHS)
+    return r.Built(tuple(flags))
+
+
+RECIPE = r.Recipe(
+    name="small_batch",
+    summary="experts as grouped GEMMs with device-side counts, the whole step as CUDA graphs, "
+    "Triton Adam and cross entropy",
+    knobs=(
+        r.choice(
+            "GRAPHS",
+            "full",
+            ("full", "layer", "none"),
+            "full: forward and backward as one graph; layer: TE graphs of attention, router and "
+            "preprocessing; none: eager",
+        ),
+        r.whole("EP", 1, "expert-parallel size; > 1 uses the static all-to-all with GRAPHS=full"),
+        r.number("CAPACITY_FACTOR", 2.0, "per-peer slots of the static all-to-all (EP > 1)"),
+        r.switch("OPTIMIZER_GRAPH", True, "the optimizer step as a CUDA graph (GRAPHS=full)"),
+        r.switch(
+            "KERNELS",
+            True,
+            "the one-kernel Adam and the Triton cross entropy (GRAPHS=full)",
+        ),
+        r.switch(
+            "DIST_OPT",
+            False,
+            "megatron's distributed optimizer: each data-parallel rank steps its shard",
+        ),
+    ),
+    build=_build,
+)

@@ -1,0 +1,124 @@
+"""The recipe registry: every recipe module is registered, knobs parse and refuse as the launchers
+do, the command line prints flags and one-line errors, and docs/recipes.md is the generated page."""
+
+import os
+import pkgutil
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from megatron.patchset import recipes
+from megatron.patchset.recipes import cli
+from megatron.patchset.recipes.recipe import KnobError, Recipe, choice, switch, whole
+from tests.unit.conftest import ROOT
+
+SUPPORT = {"recipe", "cli"}
+
+
+def test_every_recipe_module_is_registered_and_named_after_its_file():
+    modules = {m.name for m in pkgutil.iter_modules(recipes.__path__)} - SUPPORT
+    assert modules == set(recipes.ORDER)
+    assert [r.name for r in recipes.all_recipes()] == list(recipes.ORDER)
+
+
+@pytest.mark.parametrize("name", recipes.ORDER)
+def test_every_recipe_builds_its_defaults_and_documents_itself(name):
+    recipe = recipes.get(name)
+    built = recipe()
+    assert built.flags and all(isinstance(f, str) for f in built.flags)
+    assert built.flags[0].startswith("--")
+    assert sys.modules[recipe.build.__module__].__doc__.strip()
+    assert all(knob.help for knob in recipe.knobs)
+
+
+@pytest.mark.parametrize(
+    "knob, text, message",
+    [
+        (whole("EP", 1, "x"), "0", "EP must be a whole number >= 1 (got '0')"),
+        (whole("EP", 1, "x"), "1.5", "EP must be a whole number >= 1 (got '1.5')"),
+        (switch("KERNELS", True, "x"), "yes", "KERNELS must be 0 or 1 (got 'yes')"),
+        (
+            choice("GRAPHS", "full", ("full", "layer", "none"), "x"),
+            "foo",
+            "GRAPHS must be full, layer or none (got 'foo')",
+        ),
+        (recipes.get("small_batch").knob("CAPACITY_FACTOR"), "inf", "must be a number >= 0"),
+        (recipes.get("small_batch").knob("CAPACITY_FACTOR"), "nan", "must be a number >= 0"),
+        (recipes.get("small_batch").knob("CAPACITY_FACTOR"), "1e400", "must be a number >= 0"),
+    ],
+)
+def test_a_bad_value_is_refused_with_the_knob_named(knob, text, message):
+    with pytest.raises(KnobError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        knob.parse(text)
+
+
+def test_an_unknown_recipe_or_knob_names_what_exists():
+    with pytest.raises(KnobError, match="no recipe named 'fast'; known: small_batch, "):
+        recipes.get("fast")
+    with pytest.raises(KnobError, match="recipe small_batch has no knob EPP; its knobs: GRAPHS"):
+        recipes.get("small_batch")(EPP=2)
+
+
+def test_a_recipe_refuses_a_knob_declared_twice():
+    with pytest.raises(Exception, match="declared twice"):
+        Recipe("x", "x", (whole("EP", 1, "a"), whole("EP", 2, "b")), build=lambda k: ())
+
+
+def test_small_batch_follows_its_knobs():
+    flags = recipes.flags("small_batch")
+    assert "--cuda-graph-impl" in flags and flags[flags.index("--cuda-graph-impl") + 1] == (
+        "full_iteration"
+    )
+    assert {"--adam-impl", "--cross-entropy-triton", "--optimizer-cuda-graph"} <= set(flags)
+    assert "--moe-static-dispatch" not in flags
+    at_ep8 = recipes.flags("small_batch", EP=8, CAPACITY_FACTOR=1.5)
+    assert at_ep8[at_ep8.index("--moe-static-dispatch-capacity-factor") + 1] == "1.5"
+    assert at_ep8[at_ep8.index("--expert-model-parallel-size") + 1] == "8"
+    layer = recipes.flags("small_batch", GRAPHS="layer")
+    assert layer[layer.index("--cuda-graph-impl") + 1] == "transformer_engine"
+    assert "--moe-expert-splits-on-device" not in layer and "--adam-impl" not in layer
+    plain = recipes.flags("small_batch", KERNELS=0, OPTIMIZER_GRAPH=0)
+    assert not {"--adam-impl", "--cross-entropy-triton", "--optimizer-cuda-graph"} & set(plain)
+
+
+def test_the_command_line_prints_flags_env_and_one_line_errors():
+    assert cli.main(["small_batch", "EP=4"]) == 0
+    env = os.environ | {"PYTHONPATH": ROOT}
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron.patchset", "recipe", "small_batch", "EP=4"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
+    ).stdout
+    assert shlex.split(out) == recipes.flags("small_batch", EP=4)
+    lines = subprocess.run(
+        [sys.executable, "-m", "megatron.patchset", "recipe", "--lines", "fsdp_cuda_graphs"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
+    ).stdout.splitlines()
+    assert lines[0] == "env CUDA_DEVICE_MAX_CONNECTIONS=8"
+    assert lines[1:] == recipes.flags("fsdp_cuda_graphs")
+    bad = subprocess.run(
+        [sys.executable, "-m", "megatron.patchset", "recipe", "small_batch", "GRAPHS=foo"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == "GRAPHS must be full, layer or none (got 'foo')\n"
+
+
+def test_the_recipes_page_is_the_generated_one():
+    with open(os.path.join(ROOT, "docs", "recipes.md")) as handle:
+        page = handle.read()
+    assert page == cli.markdown(), (
+        "docs/recipes.md is stale: python -m megatron.patchset recipe --markdown > docs/recipes.md"
+    )
