@@ -62,7 +62,7 @@ def test_a_blend_weight_megatron_rejects_is_refused_by_the_flag(tmp_path, prefix
     other = write_dataset(tmp_path / "other", seed=1)
     got = failures(data_argv("--data-path", weight, prefix, "0.5", other))["data-files"]
     assert got == (
-        f"--data-path: the blend weight {weight} (of {prefix}) must be a positive finite number "
+        f"--data-path: the blend weight {weight} (of {prefix}) must be positive and finite "
         "(megatron samples each dataset in proportion to its weight; leave a dataset out rather "
         "than weighting it 0)."
     )
@@ -71,7 +71,7 @@ def test_a_blend_weight_megatron_rejects_is_refused_by_the_flag(tmp_path, prefix
 def test_all_zero_weights_are_refused_together(tmp_path, prefix):
     other = write_dataset(tmp_path / "other", seed=1)
     got = failures(data_argv("--data-path", "0", prefix, "0", other))["data-files"]
-    assert f"0 (of {prefix}), 0 (of {other})" in got
+    assert f"the blend weights 0 (of {prefix}), 0 (of {other}) must be" in got
 
 
 def test_blend_weights_in_a_data_args_file_are_checked(tmp_path, prefix):

@@ -134,8 +134,9 @@ def parse_blend(flag: str, words: list[str]) -> tuple[list[str], list[str]]:
             if not (math.isfinite(float(weight)) and float(weight) > 0)
         ]
         if wrong:
+            which = "weight" if len(wrong) == 1 else "weights"
             return [], [
-                f"{flag}: the blend weight {', '.join(wrong)} must be a positive finite number "
+                f"{flag}: the blend {which} {', '.join(wrong)} must be positive and finite "
                 "(megatron samples each dataset in proportion to its weight; leave a dataset out "
                 "rather than weighting it 0)"
             ]

@@ -127,6 +127,6 @@ def _capacity_factor(args):
         return (
             f"{FACTOR_FLAG} {value} is too large to compute a capacity with: the capacity is "
             f"capped at a rank's tokens x top-k rows, which a factor of {ep} (the expert-parallel "
-            "size) already gives; use at most that"
+            f"size) already gives; use at most {ep}."
         )
     return None
