@@ -1,13 +1,13 @@
 """Compat patches: what running from the megatron-core wheel needs.
 
-``datasets.compile_helpers``: on rank 0, ``megatron.training.initialize`` calls
+``compat.compile_helpers``: on rank 0, ``megatron.training.initialize`` calls
 ``megatron.core.datasets.utils.compile_helpers``, which runs ``make`` in the installed
 ``megatron/core/datasets`` folder. The megatron-core wheel ships the compiled extension
 (``helpers_cpp``) but no Makefile, so upstream's call fails and exits the job. The replacement
 uses the shipped extension when it imports, and otherwise builds ``helpers.cpp`` itself with the
 C++ compiler and pybind11 into the same folder.
 
-``arguments.help_percent_signs``: argparse formats help strings with ``%``; one of megatron-core
+``compat.help_percent_signs``: argparse formats help strings with ``%``; one of megatron-core
 0.19.2's help strings contains a bare ``%``, so ``--help`` fails. The replacement doubles such
 signs after megatron adds its arguments.
 
@@ -67,7 +67,7 @@ def _build_command(folder: str) -> list[str]:
 
 
 @patch(
-    "datasets.compile_helpers",
+    "compat.compile_helpers",
     "megatron.core.datasets.utils.compile_helpers",
     reason="the wheel ships the built dataset helpers but no Makefile, so upstream's `make` fails",
     upstream_pr="fork-only (wheel packaging)",
@@ -104,7 +104,7 @@ def escape_help(text: str) -> str:
 
 
 @patch(
-    "arguments.help_percent_signs",
+    "compat.help_percent_signs",
     "megatron.training.arguments.add_megatron_arguments",
     reason="megatron-core 0.19.2's help of --moe-paged-stash-buffer-size-factor-cuda says '10%', "
     "which argparse reads as a format character: --help fails with ValueError",

@@ -5,16 +5,20 @@ looks up at call time), a factory that builds the replacement from the upstream 
 the upstream pull request it corresponds to, and when it is on. There is one way to declare one,
 the :func:`patch` decorator on the factory::
 
-    @patch("compile.rope_traceable", "megatron.core.transformer.attention.apply_rotary_pos_emb",
+    @patch("torch_compile.rope_traceable",
+           "megatron.core.transformer.attention.apply_rotary_pos_emb",
            reason="...", enabled=traceable_substitutes)
     def _rope(original):
         ...
         return replacement
 
+Several patches of the same shape are several decorated factories that call one helper.
+
 A patch declared inside a feature's folder (``megatron.patchset.features.<name>``) belongs to that
-feature and takes the feature's switches, predicate and upstream PR unless it gives its own; a
-patch declared in the core is a ``compat`` or ``observe`` patch. :func:`apply` installs exactly
-the patches the parsed arguments ask for.
+feature, is named ``<name>.<what>``, and takes the feature's switches, predicate and upstream PR
+unless it gives its own; a patch declared in the core is a ``compat`` or ``observe`` patch, named
+``compat.<what>`` or ``observe.<what>``. :func:`patch` refuses any other name. :func:`apply`
+installs exactly the patches the parsed arguments ask for.
 
 Guarantees:
 
@@ -52,6 +56,8 @@ logger = logging.getLogger(__name__)
 SENTINEL = "__megatron_patchset__"
 KINDS = ("compat", "observe", "feature")
 FEATURES_PACKAGE = "megatron.patchset.features"
+CORE_PACKAGE = "megatron.patchset.core"
+CORE_KINDS = ("compat", "observe")
 SKIP_ENV = "MEGATRON_PATCHSET_SKIP_PATCHES"
 UPSTREAM_ENV = "MEGATRON_PATCHSET"
 
@@ -61,7 +67,8 @@ class Patch:
     """One registered change to an upstream symbol.
 
     Attributes:
-        name: short unique id, ``<area>.<what>``.
+        name: short unique id, ``<feature>.<what>`` for a feature's patch, ``compat.<what>`` or
+            ``observe.<what>`` for the core's (what ``MEGATRON_PATCHSET_SKIP_PATCHES`` takes).
         target: dotted path of the upstream attribute, ``package.module[.Class].attr``.
         factory: called with the upstream original, returns the replacement object.
         reason: one line: why upstream's behaviour must change.
@@ -139,6 +146,32 @@ def _feature_of(module: str) -> str | None:
     return None
 
 
+def check_name(name: str, module: str, kind: str) -> None:
+    """Refuse a patch name that does not say where the patch lives: ``<feature>.<what>`` in a
+    feature's folder, ``compat.<what>`` / ``observe.<what>`` (its kind) in the core. Patches
+    declared outside the package (tests) are not checked."""
+    prefix, _, what = name.partition(".")
+    feature = _feature_of(module)
+    if feature is not None:
+        if prefix != feature or not what:
+            raise PatchsetError(
+                f"patch {name!r} is declared in {module}, so it belongs to the feature {feature} "
+                f"and must be named {feature}.<what>"
+            )
+    elif module == CORE_PACKAGE or module.startswith(CORE_PACKAGE + "."):
+        if kind not in CORE_KINDS:
+            raise PatchsetError(
+                f"patch {name!r} is declared in the core ({module}): a core patch is a compat or "
+                f"observe patch, not {kind!r}; a patch that changes what training does belongs "
+                "to a feature's folder"
+            )
+        if prefix != kind or not what:
+            raise PatchsetError(
+                f"patch {name!r} is declared in the core ({module}) as a {kind} patch and must be "
+                f"named {kind}.<what>"
+            )
+
+
 def patch(
     name: str,
     target: str,
@@ -150,10 +183,13 @@ def patch(
     kind: str = "feature",
 ) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
     """Declare a patch: decorates the factory that turns the upstream original into the
-    replacement, and returns the factory unchanged. See :class:`Patch` for the arguments."""
+    replacement, and returns the factory unchanged. See :class:`Patch` for the arguments; a name
+    that does not start with the declaring feature's folder name (``compat.`` / ``observe.`` in
+    the core) raises :class:`PatchsetError` here."""
     if kind not in KINDS:
         raise PatchsetError(f"patch {name!r}: kind must be one of {KINDS}, not {kind!r}")
     module = sys._getframe(1).f_globals.get("__name__", "")
+    check_name(name, module, kind)
     upstream = None if upstream_pr is None else _parse_upstream(name, upstream_pr)
 
     def declare(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:

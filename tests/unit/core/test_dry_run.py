@@ -34,7 +34,7 @@ def test_tiny_config_on_two_gpus_prints_the_layout():
     assert "expert model parallel (EP) ........ 1" in out
     assert "parameters: 15,345,920 in total" in out
     assert "Theoretical memory footprints" in out
-    assert "datasets.compile_helpers" in out
+    assert "compat.compile_helpers" in out
     assert "transformer-engine[pytorch]==2.20.2" in out
     assert out.rstrip().endswith("dry-run: OK")
     assert "Traceback" not in err

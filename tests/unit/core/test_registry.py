@@ -254,10 +254,10 @@ def test_real_registry_applies_and_reverts_cleanly():
     import megatron.core.datasets.utils as dutils
 
     before = dutils.compile_helpers
-    names = registry.apply_patches([registry.get("datasets.compile_helpers")])
+    names = registry.apply_patches([registry.get("compat.compile_helpers")])
     try:
-        assert names == ["datasets.compile_helpers"]
-        assert registry.patched_by(dutils.compile_helpers) == "datasets.compile_helpers"
+        assert names == ["compat.compile_helpers"]
+        assert registry.patched_by(dutils.compile_helpers) == "compat.compile_helpers"
         dutils.compile_helpers()  # the wheel's extension imports: no make, no exit
     finally:
         registry.revert(names)
@@ -299,14 +299,16 @@ def test_every_registered_target_exists_in_the_pinned_wheel():
             continue
         assert hasattr(owner, attr), target
     # Only the TE wrappers' methods need the source check (and only without TE).
-    assert all(name.startswith("compile.te_") for name in checked_in_source), checked_in_source
+    assert all(name.startswith("torch_compile.te_") for name in checked_in_source), (
+        checked_in_source
+    )
     assert not _defined_in_source(
         "megatron.core.extensions.transformer_engine.TELinear.no_such_method"
     )
 
 
 def test_a_feature_patch_takes_its_features_switches_predicate_and_pr():
-    grouped = real_registry.get("experts.grouped_mm_fc1")
+    grouped = real_registry.get("grouped_mm.fc1")
     feature = features.get("grouped_mm")
     assert grouped.feature == "grouped_mm" and grouped.module.endswith(".linears")
     assert grouped.when == feature.switches and grouped.upstream == feature.upstream_pr
@@ -317,7 +319,7 @@ def test_a_feature_patch_takes_its_features_switches_predicate_and_pr():
     assert not grouped.wanted(Args()) and not grouped.wanted(None)
     Args.moe_grouped_gemm_impl = "torch"
     assert grouped.wanted(Args())
-    splits = real_registry.get("experts.splits_on_device_dispatcher")
+    splits = real_registry.get("grouped_mm.splits_on_device_dispatcher")
     assert splits.when == ("--moe-expert-splits-on-device",) and not splits.wanted(Args())
 
 
@@ -330,6 +332,85 @@ def test_every_feature_patch_lives_in_a_feature_and_every_core_patch_is_compat_o
             assert declared.module.startswith(f"megatron.patchset.features.{declared.feature}."), (
                 declared.name
             )
+
+
+def declare_in(module: str, name: str, kind: str = "feature") -> None:
+    """Declare a patch of fake_upstream.helper from ``module`` (the registry takes the declaring
+    module from the caller's globals)."""
+    namespace = {"__name__": module, "patch": patch}
+    exec(
+        f"@patch({name!r}, {FAKE + '.helper'!r}, reason='r', upstream_pr='proposed', kind={kind!r})"
+        "\ndef factory(original):\n    return original\n",
+        namespace,
+    )
+
+
+def test_a_feature_patch_must_be_named_after_its_folder(registry):
+    declare_in("megatron.patchset.features.torch_adam.kernels", "torch_adam.fused")
+    assert registry._REGISTRY["torch_adam.fused"].feature == "torch_adam"
+    for name in ("optimizer.fused", "torch_adamw.fused", "torch_adam", "torch_adam.", "fused"):
+        with pytest.raises(registry.PatchsetError, match=r"must be named torch_adam\.<what>"):
+            declare_in("megatron.patchset.features.torch_adam.kernels", name)
+    declare_in("megatron.patchset.features.paged_stash.report", "paged_stash.counts", "observe")
+    with pytest.raises(registry.PatchsetError, match=r"paged_stash\.<what>"):
+        declare_in("megatron.patchset.features.paged_stash.report", "observe.counts", "observe")
+    assert list(registry._REGISTRY) == ["torch_adam.fused", "paged_stash.counts"]
+
+
+def test_a_core_patch_must_be_a_compat_or_observe_patch_named_after_its_kind(registry):
+    declare_in("megatron.patchset.core.compat", "compat.fix", "compat")
+    declare_in("megatron.patchset.core.observe.metrics", "observe.count", "observe")
+    with pytest.raises(registry.PatchsetError, match=r"must be named compat\.<what>"):
+        declare_in("megatron.patchset.core.compat", "datasets.fix", "compat")
+    with pytest.raises(registry.PatchsetError, match=r"must be named observe\.<what>"):
+        declare_in("megatron.patchset.core.observe.metrics", "compat.count", "observe")
+    with pytest.raises(registry.PatchsetError, match="not 'feature'"):
+        declare_in("megatron.patchset.core.model_hooks", "feature.hook")
+    assert list(registry._REGISTRY) == ["compat.fix", "observe.count"]
+
+
+def test_every_shipped_patch_is_named_after_its_feature_or_its_kind():
+    for declared in real_registry.registered():
+        prefix = declared.feature if declared.feature is not None else declared.kind
+        assert declared.name.startswith(prefix + "."), (declared.name, declared.module)
+
+
+def _calls_patch(call) -> bool:
+    import ast
+
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id == "patch"
+    return isinstance(func, ast.Attribute) and func.attr == "patch"
+
+
+def test_every_shipped_patch_is_declared_by_the_decorator_on_a_module_level_factory():
+    """One call shape: ``@patch(...)`` on a function of the declaring module; ``patch(...)``
+    called anywhere else (inline on a factory, in a loop) is refused here."""
+    import ast
+    from pathlib import Path
+
+    import megatron.patchset
+
+    root = Path(megatron.patchset.__file__).parent
+    elsewhere = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        decorators = {
+            id(d)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            for d in node.decorator_list
+        }
+        elsewhere += [
+            f"{path.relative_to(root)}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and _calls_patch(node) and id(node) not in decorators
+        ]
+    assert not elsewhere, "patch(...) not used as a decorator: " + ", ".join(elsewhere)
+    for declared in real_registry.registered():
+        module = sys.modules[declared.module]
+        assert getattr(module, declared.factory.__name__, None) is declared.factory, declared.name
 
 
 def test_feature_descriptors_validate_themselves():

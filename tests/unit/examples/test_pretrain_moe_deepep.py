@@ -15,7 +15,7 @@ def test_example_launcher_flags_pass_the_dry_run(backend):
         in proc.stdout
     )
     expected = (
-        "deep_ep (DeepEP 567632d" if backend == "deepep" else "token_dispatcher.ncclep_bootstrap"
+        "deep_ep (DeepEP 567632d" if backend == "deepep" else "flex_dispatch.ncclep_bootstrap"
     )
     assert expected in proc.stdout
     assert proc.stdout.rstrip().endswith("dry-run: OK")

@@ -28,8 +28,8 @@ def test_script_layout_is_valid_with_fsdp_and_graphs(script, world, ep):
         f"expert model parallel (EP) ........ {ep}",
         "fork features enabled: fsdp_cuda_graphs "
         "(--use-megatron-fsdp, --cuda-graph-impl transformer_engine)",
-        "cuda_graphs.fsdp_capture_helper",
-        "megatron_fsdp.cuda_graph_hook_markers",
+        "fsdp_cuda_graphs.capture_helper",
+        "fsdp_cuda_graphs.hook_markers",
     ):
         assert line in out, line
     assert out.rstrip().endswith("dry-run: OK")

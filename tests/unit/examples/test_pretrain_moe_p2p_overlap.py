@@ -29,7 +29,7 @@ def test_script_layout_is_valid_with_the_p2p_flags(script):
         "expert model parallel (EP) ........ 2",
         "fork features enabled: p2p_overlap (--overlap-p2p-backward-on-comm-stream, "
         "--overlap-p2p-wgrad-delayed-layer-number 2, --overlap-p2p-with-transformer-layer-wgrad)",
-        "schedule_plan.p2p_backward_overlap",
+        "p2p_overlap.schedule_plan",
     ):
         assert line in out, line
     assert out.rstrip().endswith("dry-run: OK")

@@ -29,4 +29,4 @@ def test_example_script_passes_dry_run(knobs):
     assert ("paged_stash.hybridep_budget_on_graph_replay" in out) == (
         hybridep and knobs.get("GRAPHS", "1") == "1"
     )
-    assert ("token_dispatcher.ncclep_bootstrap " in out) == (not hybridep)
+    assert ("flex_dispatch.ncclep_bootstrap " in out) == (not hybridep)

@@ -104,9 +104,9 @@ DRY_RUNS.update(
     }
 )
 GROUPED_MM_PATCHES = (
-    "experts.grouped_mm_fc1",
-    "experts.grouped_mm_fc2",
-    "experts.splits_on_device_grouped_mlp",
+    "grouped_mm.fc1",
+    "grouped_mm.fc2",
+    "grouped_mm.splits_on_device_grouped_mlp",
 )
 # megatron's failure message adds "(--flag)" after config field names it recognises
 _FIELD_FLAG = re.compile(r"(\b\w+_\w+\b) \((--[a-z0-9-]+)\)")
@@ -286,9 +286,9 @@ def grouped_mm_experts() -> dict:
         assert arguments.ALIGNMENT is experts.ALIGNMENT
         for name in ("DeviceSplits", "grouped_mm", "group_offsets", "_offsets_cache"):
             assert not hasattr(spec, name) and not hasattr(dispatcher, name), name
-        spec._enable_experts_grouped_mm_fc1()
-        spec._enable_experts_grouped_mm_fc2()
-        experts._enable_experts_splits_on_device_grouped_mlp()
+        spec._enable_grouped_mm_fc1()
+        spec._enable_grouped_mm_fc2()
+        experts._enable_grouped_mm_splits_on_device_grouped_mlp()
         offsets_cache = experts._offsets_cache
     else:
         from megatron.patchset.features.grouped_mm import linears

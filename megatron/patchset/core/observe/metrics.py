@@ -1,6 +1,6 @@
 """Exact per-iteration metrics.
 
-``training.metrics_jsonl`` (observe only): with ``MEGATRON_PATCHSET_METRICS=<path>`` set, every
+``observe.metrics_jsonl`` (observe only): with ``MEGATRON_PATCHSET_METRICS=<path>`` set, every
 call of megatron's ``training_log`` also appends one JSON line to ``<path>`` on the last rank,
 with the exact values behind megatron's log line (losses and gradient norm at full precision,
 not the rounded text), the wall-clock time since the previous iteration, megatron's FLOP count
@@ -11,7 +11,7 @@ uses.
 
 With ``MEGATRON_PATCHSET_TIME_FWD_BWD=1`` the record also carries the forward-backward time
 measured around megatron's forward-backward call (:func:`timed_forward_backward`, installed by
-the ``training.observe_train_step`` patch of :mod:`~megatron.patchset.core.observe.profile`),
+the ``observe.train_step`` patch of :mod:`~megatron.patchset.core.observe.profile`),
 which also times a full-iteration CUDA graph's replay.
 """
 
@@ -197,7 +197,7 @@ def forward_backward_seconds() -> float | None:
 
 
 @patch(
-    "training.metrics_jsonl",
+    "observe.metrics_jsonl",
     "megatron.training.training.training_log",
     reason="exact per-iteration losses, grad norm, time, FLOPs and memory for tests and "
     "tools/bench/bench.py",

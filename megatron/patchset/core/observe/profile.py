@@ -1,7 +1,7 @@
 """One profiled training iteration: where the host time of a step goes
 (``tools/bench/profile_step.py``).
 
-``training.observe_train_step`` (observe only): with ``MEGATRON_PATCHSET_PROFILE=<dir>:<N>`` set,
+``observe.train_step`` (observe only): with ``MEGATRON_PATCHSET_PROFILE=<dir>:<N>`` set,
 megatron's ``train_step`` runs iteration ``N`` (1-based, as in megatron's log lines) under
 ``torch.profiler`` (CPU activity, plus CUDA when a GPU is visible; no shapes, no stacks). For
 that one call only, megatron's MoE and attention methods and the pipeline's P2P calls run inside
@@ -156,7 +156,7 @@ def rank_folder(folder: str, rank: int) -> str:
 
 
 @patch(
-    "training.observe_train_step",
+    "observe.train_step",
     "megatron.training.training.train_step",
     reason="profile one training iteration (host time by MoE stage, launches, syncs, GPU idle) "
     "for tools/bench/profile_step.py; time forward-backward from outside for tools/bench/bench.py",

@@ -49,58 +49,63 @@ def backend_origin(backend: str) -> str:
     return origin
 
 
-def _checked_init(backend: str):
-    def factory(original):
-        def __init__(self, *args, **kwargs):
-            if backend not in _CHECKED:
-                check_backend(backend)
-                _CHECKED.add(backend)
-                # one line per process: the GPU tests look for it
-                print(
-                    f"megatron-patchset: flex dispatcher backend {backend} from "
-                    f"{backend_origin(backend)}",
-                    flush=True,
-                )
-            return original(self, *args, **kwargs)
+def checked_init(original, backend: str):
+    """The manager's ``__init__``: probes ``backend`` (once per process) before upstream's."""
 
-        return __init__
+    def __init__(self, *args, **kwargs):
+        if backend not in _CHECKED:
+            check_backend(backend)
+            _CHECKED.add(backend)
+            # one line per process: the GPU tests look for it
+            print(
+                f"megatron-patchset: flex dispatcher backend {backend} from "
+                f"{backend_origin(backend)}",
+                flush=True,
+            )
+        return original(self, *args, **kwargs)
 
-    return factory
-
-
-# backend -> (megatron's manager class, why its __init__ is checked)
-_BACKEND_CHECKS = {
-    "deepep": (
-        "_DeepepManager",
-        "megatron reports any failure to import deep_ep (broken build, DeepEP 2.x) as 'not "
-        "installed'; re-probe DeepEP and raise with the original error and the pinned revision",
-    ),
-    "hybridep": (
-        "_HybridEPManager",
-        "same as token_dispatcher.deepep_check, for DeepEP's HybridEPBuffer (branch hybrid-ep)",
-    ),
-    "ncclep": (
-        "_NCCLEPManager",
-        "TE's NCCL EP fails late (first dispatch) on an old NCCL or a TE without libnccl_ep.so; "
-        "check both when the layer is built",
-    ),
-}
+    return __init__
 
 
-def _register_backend_checks() -> None:
-    for backend, (manager, reason) in _BACKEND_CHECKS.items():
-        patch(
-            f"token_dispatcher.{backend}_check",
-            f"{_TD}.{manager}.__init__",
-            reason=reason,
-            upstream_pr="fork-only (diagnostics)",
-            flags=(f"--moe-flex-dispatcher-backend {backend}",),
-            enabled=_backend_is(backend),
-            kind="compat",
-        )(_checked_init(backend))
+@patch(
+    "flex_dispatch.deepep_check",
+    f"{_TD}._DeepepManager.__init__",
+    reason="megatron reports any failure to import deep_ep (broken build, DeepEP 2.x) as 'not "
+    "installed'; re-probe DeepEP and raise with the original error and the pinned revision",
+    upstream_pr="fork-only (diagnostics)",
+    flags=("--moe-flex-dispatcher-backend deepep",),
+    enabled=_backend_is("deepep"),
+    kind="compat",
+)
+def _deepep_check(original):
+    return checked_init(original, "deepep")
 
 
-_register_backend_checks()
+@patch(
+    "flex_dispatch.hybridep_check",
+    f"{_TD}._HybridEPManager.__init__",
+    reason="same as flex_dispatch.deepep_check, for DeepEP's HybridEPBuffer (branch hybrid-ep)",
+    upstream_pr="fork-only (diagnostics)",
+    flags=("--moe-flex-dispatcher-backend hybridep",),
+    enabled=_backend_is("hybridep"),
+    kind="compat",
+)
+def _hybridep_check(original):
+    return checked_init(original, "hybridep")
+
+
+@patch(
+    "flex_dispatch.ncclep_check",
+    f"{_TD}._NCCLEPManager.__init__",
+    reason="TE's NCCL EP fails late (first dispatch) on an old NCCL or a TE without libnccl_ep.so; "
+    "check both when the layer is built",
+    upstream_pr="fork-only (diagnostics)",
+    flags=("--moe-flex-dispatcher-backend ncclep",),
+    enabled=_backend_is("ncclep"),
+    kind="compat",
+)
+def _ncclep_check(original):
+    return checked_init(original, "ncclep")
 
 
 # The top-k of the manager whose _ensure_bootstrap is running (bootstrap is collective and happens
@@ -109,9 +114,9 @@ _BOOTSTRAP = threading.local()
 
 
 @patch(
-    "token_dispatcher.ncclep_bootstrap_topk",
+    "flex_dispatch.ncclep_bootstrap_topk",
     f"{_TD}._NCCLEPManager._ensure_bootstrap",
-    reason="records the manager's router top-k for token_dispatcher.ncclep_bootstrap, which must "
+    reason="records the manager's router top-k for flex_dispatch.ncclep_bootstrap, which must "
     "pass it to TE 2.20's ep_bootstrap",
     upstream_pr="fork-only (TE 2.20.2 made ep_bootstrap's num_topk required)",
     flags=("--moe-flex-dispatcher-backend ncclep",),
@@ -130,7 +135,7 @@ def _ensure_bootstrap_factory(original):
 
 
 @patch(
-    "token_dispatcher.ncclep_bootstrap",
+    "flex_dispatch.ncclep_bootstrap",
     f"{_TD}.ensure_nccl_ep_bootstrapped",
     reason="megatron-core 0.19.2 calls te_ep.ep_bootstrap without num_topk, which "
     "TransformerEngine 2.20's signature requires (TypeError at the first dispatch); also replaces "

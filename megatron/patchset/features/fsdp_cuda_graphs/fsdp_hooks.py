@@ -70,7 +70,7 @@ _PRE_BACKWARD_WRAPPER = "create_custom_backward_hook.<locals>.forward_hook"
 _ROOT_PRE_BACKWARD = "_root_pre_backward"
 _WRAPPER_CELL = "custom_backward_handler"
 
-PATCH_NAME = "megatron_fsdp.cuda_graph_hook_markers"
+PATCH_NAME = "fsdp_cuda_graphs.hook_markers"
 
 
 class FSDPHookDriftError(PatchsetError):

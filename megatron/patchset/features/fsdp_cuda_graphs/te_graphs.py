@@ -10,20 +10,20 @@ so none of the layer's hooks run at replay (its parameters are never all-gathere
 What this module changes (each a registered patch, on with ``--use-megatron-fsdp
 --cuda-graph-impl transformer_engine``, except the dtype fix, on for any TE graph run):
 
-``cuda_graphs.fsdp_capture_helper``
+``fsdp_cuda_graphs.capture_helper``
     The training loop's ``TECudaGraphHelper`` becomes :class:`FSDPCudaGraphHelper`. Around
     capture it gives the modules FSDP's raw parameters, takes all four kinds of module hooks off
     every graphed layer (:func:`take_off_hooks`), hands TE the hooks as ``capture_time_hooks``
     (:func:`capture_time_hooks`: FSDP's wrappers are replaced by their inner handlers, under
     the key of the phase they belong to) and puts every hook back afterwards, also when capture
     fails, and again (idempotently) before graphs are deleted.
-``cuda_graphs.hooks_fire_on_graphed_call``
+``fsdp_cuda_graphs.hooks_fire_on_graphed_call``
     ``GraphableMegatronModule.__call__`` runs capture and replay through ``nn.Module.__call__``,
     so the layer's hooks (FSDP's unshard, release, pre- and post-backward) fire around them.
-``cuda_graphs.capture_uses_original_forward``
+``fsdp_cuda_graphs.capture_uses_original_forward``
     The base ``_te_cuda_graph_capture`` calls the layer's real ``forward`` (the swapped-in one
     would recurse).
-``cuda_graphs.static_inputs_params_dtype``
+``fsdp_cuda_graphs.static_inputs_params_dtype``
     Sample inputs for capture are created in the model's ``params_dtype``, not always bf16.
 """
 
@@ -249,7 +249,7 @@ def _graphed_step_with_hooks(module: torch.nn.Module, step: Callable, args: tupl
 
 
 @patch(
-    "cuda_graphs.hooks_fire_on_graphed_call",
+    "fsdp_cuda_graphs.hooks_fire_on_graphed_call",
     "megatron.core.transformer.module.GraphableMegatronModule.__call__",
     reason="on the TE graph path __call__ calls capture/replay directly, so the layer's module "
     "hooks (Megatron-FSDP's unshard/reshard/backward hooks) never run: go through "
@@ -271,7 +271,7 @@ def _call(original):
 
 
 @patch(
-    "cuda_graphs.capture_uses_original_forward",
+    "fsdp_cuda_graphs.capture_uses_original_forward",
     "megatron.core.transformer.module.GraphableMegatronModule._te_cuda_graph_capture",
     reason="with capture run as the module's forward, the base capture (self.forward) would call "
     "itself: call the forward saved before the swap",
@@ -297,7 +297,7 @@ def _te_graphs_not_bf16(args: Any) -> bool:
 
 
 @patch(
-    "cuda_graphs.static_inputs_params_dtype",
+    "fsdp_cuda_graphs.static_inputs_params_dtype",
     "megatron.core.transformer.module.GraphableMegatronModule.get_layer_static_inputs",
     reason="capture sample hidden states are hard-coded bf16; a fp32 or fp16 model captures graphs "
     "for the wrong dtype: use config.params_dtype",
@@ -360,7 +360,7 @@ def check_capture_config(model_chunks: list, config: Any) -> None:
 
 
 @patch(
-    "cuda_graphs.fsdp_capture_helper",
+    "fsdp_cuda_graphs.capture_helper",
     "megatron.training.training.TECudaGraphHelper",
     reason="make_graphed_callables gets layers with Megatron-FSDP's hooks on and DTensor params: "
     "take the hooks off, pass FSDP's inner handlers as TE capture_time_hooks, capture with raw "

@@ -50,6 +50,14 @@ def host_splits_needed(dispatcher) -> list[str]:
     return needs
 
 
+@patch(
+    "grouped_mm.splits_on_device_dispatcher",
+    f"{_TOKEN_DISPATCHER}.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+    reason=_SPLITS_REASON,
+    upstream_pr=_SPLITS_UPSTREAM_PR,
+    flags=(SPLITS_FLAG,),
+    enabled=splits_on_device,
+)
 def dispatcher_keeps_splits_on_device(original):
     """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` that returns the token counts as
     they are, on the device, and neither copies nor synchronises (see :data:`_SPLITS_REASON`)."""
@@ -69,6 +77,16 @@ def dispatcher_keeps_splits_on_device(original):
     return _maybe_dtoh_and_synchronize
 
 
+@patch(
+    "grouped_mm.splits_on_device_grouped_mlp",
+    f"{_EXPERTS}.TEGroupedMLP.forward",
+    reason="TEGroupedMLP.forward turns the token counts into a host list (.tolist(): a "
+    "device-to-host copy and sync); hand them to the torch grouped_mm linears on the device "
+    "instead",
+    upstream_pr=_SPLITS_UPSTREAM_PR,
+    flags=(SPLITS_FLAG,),
+    enabled=splits_on_device,
+)
 def grouped_mlp_takes_device_splits(original):
     """``TEGroupedMLP.forward`` that hands a token-count tensor to its linears as
     :class:`DeviceSplits` (upstream calls ``.tolist()`` on it, a device-to-host copy and sync)."""
@@ -95,24 +113,3 @@ def grouped_mlp_takes_device_splits(original):
         )
 
     return forward
-
-
-patch(
-    "experts.splits_on_device_dispatcher",
-    f"{_TOKEN_DISPATCHER}.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
-    reason=_SPLITS_REASON,
-    upstream_pr=_SPLITS_UPSTREAM_PR,
-    flags=(SPLITS_FLAG,),
-    enabled=splits_on_device,
-)(dispatcher_keeps_splits_on_device)
-
-patch(
-    "experts.splits_on_device_grouped_mlp",
-    f"{_EXPERTS}.TEGroupedMLP.forward",
-    reason="TEGroupedMLP.forward turns the token counts into a host list (.tolist(): a "
-    "device-to-host copy and sync); hand them to the torch grouped_mm linears on the device "
-    "instead",
-    upstream_pr=_SPLITS_UPSTREAM_PR,
-    flags=(SPLITS_FLAG,),
-    enabled=splits_on_device,
-)(grouped_mlp_takes_device_splits)

@@ -456,7 +456,7 @@ def grouped_mm_linear(original: type | None, role: str) -> type:
 
 # The names TESpecProvider.grouped_mlp_modules looks up when it builds the experts' spec.
 @patch(
-    "experts.grouped_mm_fc1",
+    "grouped_mm.fc1",
     f"{_SPEC_PROVIDER}.TEColumnParallelGroupedLinear",
     reason=f"{_REASON} (fc1)",
 )
@@ -465,7 +465,7 @@ def column_parallel_grouped_mm(original):
 
 
 @patch(
-    "experts.grouped_mm_fc2",
+    "grouped_mm.fc2",
     f"{_SPEC_PROVIDER}.TERowParallelGroupedLinear",
     reason=f"{_REASON} (fc2)",
 )

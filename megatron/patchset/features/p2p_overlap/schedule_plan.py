@@ -34,7 +34,7 @@ Pieces:
 * ``P2POverlapLayerSchedulePlan``, ``P2POverlapChunkSchedulePlan``, ``P2POverlapGPTModel``:
   subclasses of megatron's layer plan, chunk plan and ``GPTModel`` using them. They are created
   on first access (this module is imported by the patch registry and stays cheap to import);
-* the patch ``schedule_plan.p2p_backward_overlap``: megatron's model builder
+* the patch ``p2p_overlap.schedule_plan``: megatron's model builder
   (``megatron.training.models.gpt.GPTModelBuilder.build_model``) instantiates the ``GPTModel``
   name of its module, which the patch rebinds to ``P2POverlapGPTModel`` when a flag asks for it.
 """
@@ -44,7 +44,7 @@ from __future__ import annotations
 from megatron.patchset.core.registry import PatchsetError, patch
 from megatron.patchset.features.p2p_overlap.flags import P2POverlapOptions, options_from_config
 
-PATCH_NAME = "schedule_plan.p2p_backward_overlap"
+PATCH_NAME = "p2p_overlap.schedule_plan"
 
 # ---------------------------------------------------------------------------------------
 # The orders

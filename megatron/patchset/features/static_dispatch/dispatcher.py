@@ -39,6 +39,14 @@ def exchange_counts(kept, group, size: int):
     return received
 
 
+@patch(
+    "static_dispatch.dispatcher",
+    f"{_MOE_LAYER}.MoEAlltoAllTokenDispatcher",
+    reason="megatron's all-to-all dispatcher copies the per-rank token counts to the host and "
+    "waits, for all_to_all_single's split sizes; exchange the counts on the device and move rows "
+    "in fixed-size slots instead, so that a full-iteration CUDA graph captures the MoE layers at "
+    "EP >= 2",
+)
 def static_dispatcher(original: type) -> type:
     """``original`` (megatron's MoEAlltoAllTokenDispatcher) with the static path."""
 
@@ -126,13 +134,3 @@ def static_dispatcher(original: type) -> type:
     StaticAlltoAllTokenDispatcher.__module__ = __name__
     StaticAlltoAllTokenDispatcher.__qualname__ = "StaticAlltoAllTokenDispatcher"
     return StaticAlltoAllTokenDispatcher
-
-
-patch(
-    "static_dispatch.dispatcher",
-    f"{_MOE_LAYER}.MoEAlltoAllTokenDispatcher",
-    reason="megatron's all-to-all dispatcher copies the per-rank token counts to the host and "
-    "waits, for all_to_all_single's split sizes; exchange the counts on the device and move rows "
-    "in fixed-size slots instead, so that a full-iteration CUDA graph captures the MoE layers at "
-    "EP >= 2",
-)(static_dispatcher)

@@ -116,6 +116,23 @@ class OverflowRerunner:
         return run_step(self.forward_backward_func, self.forward_backward_func, kwargs)
 
 
+def _full_iteration(args: Any) -> bool:
+    return flags.requested(args) and getattr(args, "cuda_graph_impl", None) == "full_iteration"
+
+
+def _eager_steps(args: Any) -> bool:
+    return flags.requested(args) and getattr(args, "cuda_graph_impl", None) != "full_iteration"
+
+
+@patch(
+    "static_dispatch.graph_step",
+    f"{_TRAINING}.FullCudaGraphWrapper",
+    reason="a step whose static dispatch overflowed must not be used: after the graph's "
+    "forward-backward, all-reduce the overflow flag and re-run such a step eagerly with the "
+    "dynamic all-to-all (or stop), keeping the graph for the next step",
+    flags=(flags.FLAG, "--cuda-graph-impl full_iteration"),
+    enabled=_full_iteration,
+)
 def graph_wrapper(original: type) -> type:
     """megatron's FullCudaGraphWrapper with :func:`run_step` around its call: the graph is the
     first attempt, the inner forward-backward function (eager) the re-run."""
@@ -147,25 +164,6 @@ def graph_wrapper(original: type) -> type:
     StaticDispatchGraphWrapper.__module__ = __name__
     StaticDispatchGraphWrapper.__qualname__ = "StaticDispatchGraphWrapper"
     return StaticDispatchGraphWrapper
-
-
-def _full_iteration(args: Any) -> bool:
-    return flags.requested(args) and getattr(args, "cuda_graph_impl", None) == "full_iteration"
-
-
-def _eager_steps(args: Any) -> bool:
-    return flags.requested(args) and getattr(args, "cuda_graph_impl", None) != "full_iteration"
-
-
-patch(
-    "static_dispatch.graph_step",
-    f"{_TRAINING}.FullCudaGraphWrapper",
-    reason="a step whose static dispatch overflowed must not be used: after the graph's "
-    "forward-backward, all-reduce the overflow flag and re-run such a step eagerly with the "
-    "dynamic all-to-all (or stop), keeping the graph for the next step",
-    flags=(flags.FLAG, "--cuda-graph-impl full_iteration"),
-    enabled=_full_iteration,
-)(graph_wrapper)
 
 
 @patch(

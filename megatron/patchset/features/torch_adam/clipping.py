@@ -82,7 +82,7 @@ def clip_into_adam(original):
 
 
 @patch(
-    "optimizer.torch_adam_clip",
+    "torch_adam.clip",
     "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32",
     reason="megatron-core scales all fp32 main gradients in a pass of their own before Adam; "
     "torch's fused Adam applies the same scale as it reads them (its grad_scale), one pass fewer "

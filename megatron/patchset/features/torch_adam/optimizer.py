@@ -102,7 +102,7 @@ def _adam_builder(impl: str):
 
 
 @patch(
-    "optimizer.torch_fused_adam",
+    "torch_adam.fused_step",
     "megatron.core.optimizer.Adam",
     flags=(f"{FLAG} torch",),
     enabled=wants_torch_kernel,
@@ -115,7 +115,7 @@ def torch_fused_adam(original):
 
 
 @patch(
-    "optimizer.triton_adam",
+    "torch_adam.triton_step",
     "megatron.core.optimizer.Adam",
     flags=(f"{FLAG} triton",),
     enabled=wants_triton_kernel,

@@ -37,7 +37,7 @@ def foreach_copy_main_to_model(original):
 
 
 @patch(
-    "optimizer.foreach_param_copy",
+    "torch_adam.foreach_param_copy",
     "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params."
     "_copy_main_params_to_model_params",
     reason="with bf16 megatron-core copies the fp32 main parameters into the model parameters one "

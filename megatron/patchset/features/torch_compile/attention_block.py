@@ -94,49 +94,57 @@ def _te_method(original, name: str) -> Callable:
     return original
 
 
-def _linear_factory(traceable: Callable, name: str) -> Callable:
-    def factory(original):
-        original = _te_method(original, name)
+def traceable_forward(original, traceable: Callable, name: str) -> Callable:
+    """The linear's ``forward``: ``traceable(self, x)`` while a compiled layer traces a plain
+    bf16 call on one TP rank (:func:`plain_bf16_linear`), upstream's ``original`` otherwise."""
+    original = _te_method(original, name)
 
-        # updated=(): not the original's __dict__, which would carry a torch.compiler.disable mark
-        @functools.wraps(original, updated=())
-        def forward(self, x, *args, **kwargs):
-            if (
-                not args
-                and not kwargs
-                and tracing()
-                and TE_CONTEXT_PLAIN[0]
-                and plain_bf16_linear(self)
-            ):
-                return traceable(self, x)
-            return original(self, x, *args, **kwargs)
+    # updated=(): not the original's __dict__, which would carry a torch.compiler.disable mark
+    @functools.wraps(original, updated=())
+    def forward(self, x, *args, **kwargs):
+        if (
+            not args
+            and not kwargs
+            and tracing()
+            and TE_CONTEXT_PLAIN[0]
+            and plain_bf16_linear(self)
+        ):
+            return traceable(self, x)
+        return original(self, x, *args, **kwargs)
 
-        return forward
-
-    return factory
+    return forward
 
 
-_LINEAR_SUBSTITUTES = {
-    "compile.te_layernorm_linear_traceable": (
-        "TELayerNormColumnParallelLinear.forward",
-        traceable_layernorm_linear,
-        "the fused input norm + QKV GEMM is TE's LayerNormLinear, whose forward TE wraps in "
-        "torch.compiler.disable (a graph break in every enclosing frame): while compiling, in "
-        "plain bf16 on one TP rank, the same norm and GEMM in torch ops",
-    ),
-    "compile.te_linear_traceable": (
-        "TELinear.forward",
-        traceable_linear,
-        "TE's Linear (attention output projection; the column/row/duplicated linears inherit this "
-        "forward) is compile-disabled by TE, a graph break in every enclosing frame: while "
-        "compiling, in plain bf16 on one TP rank, F.linear",
-    ),
-}
-
-for _name, (_attr, _traceable, _reason) in _LINEAR_SUBSTITUTES.items():
-    patch(_name, f"{_TE_WRAPPERS}.{_attr}", reason=_reason, enabled=te_attention_block_substitutes)(
-        _linear_factory(_traceable, _attr)
+@patch(
+    "torch_compile.te_layernorm_linear_traceable",
+    f"{_TE_WRAPPERS}.TELayerNormColumnParallelLinear.forward",
+    reason="the fused input norm + QKV GEMM is TE's LayerNormLinear, whose forward TE wraps in "
+    "torch.compiler.disable (a graph break in every enclosing frame): while compiling, in plain "
+    "bf16 on one TP rank, the same norm and GEMM in torch ops",
+    enabled=te_attention_block_substitutes,
+)
+def _te_layernorm_linear_factory(original):
+    return traceable_forward(
+        original, traceable_layernorm_linear, "TELayerNormColumnParallelLinear.forward"
     )
+
+
+@patch(
+    "torch_compile.te_linear_traceable",
+    f"{_TE_WRAPPERS}.TELinear.forward",
+    reason="TE's Linear (attention output projection; the column/row/duplicated linears inherit "
+    "this forward) is compile-disabled by TE, a graph break in every enclosing frame: while "
+    "compiling, in plain bf16 on one TP rank, F.linear",
+    enabled=te_attention_block_substitutes,
+)
+def _te_linear_factory(original):
+    return traceable_forward(original, traceable_linear, "TELinear.forward")
+
+
+LINEAR_PATCHES = (
+    "torch_compile.te_layernorm_linear_traceable",
+    "torch_compile.te_linear_traceable",
+)
 
 
 def sdpa_module_eligible(module) -> bool:
@@ -207,7 +215,7 @@ def traceable_attention(query, key, value, causal: bool, scale: float):
 
 
 @patch(
-    "compile.te_attention_traceable",
+    "torch_compile.te_attention_traceable",
     f"{_TE_WRAPPERS}.TEDotProductAttention.forward",
     reason="TE's DotProductAttention forward is compile-disabled by TE (a graph break in every "
     "enclosing frame): while compiling, plain causal bf16 attention (no dropout, window, packing, "
@@ -274,10 +282,10 @@ def attention_block_report(model_chunks: list) -> str:
     for chunk in model_chunks:
         for module in chunk.modules():
             patch = patched_by(getattr(type(module), "forward", None))
-            if patch in _LINEAR_SUBSTITUTES:
+            if patch in LINEAR_PATCHES:
                 linears += 1
                 linears_ok += plain_bf16_linear(module)
-            elif patch == "compile.te_attention_traceable":
+            elif patch == "torch_compile.te_attention_traceable":
                 attentions += 1
                 attentions_ok += sdpa_module_eligible(module)
     text = (
@@ -297,4 +305,4 @@ def attention_block_report(model_chunks: list) -> str:
     return text
 
 
-ATTENTION_BLOCK_PATCHES = tuple(_LINEAR_SUBSTITUTES) + ("compile.te_attention_traceable",)
+ATTENTION_BLOCK_PATCHES = LINEAR_PATCHES + ("torch_compile.te_attention_traceable",)

@@ -42,39 +42,42 @@ def eager_region(original: Callable, data_dependent_outputs: bool = False) -> Ca
     return torch.compiler.disable(region)
 
 
-# name -> (target, reason, whether the outputs' token count is data-dependent). One line each;
-# ``python -m megatron.patchset --list --reasons``.
-EAGER_REGIONS = {
-    "compile.moe_dispatch_eager": (
-        f"{_MOE_LAYER}.dispatch",
-        "token dispatch is a collective with host-side split sizes and side streams (all-to-all "
-        "D2H copies and event syncs, all-gather, DeepEP/HybridEP/NCCL-EP fused dispatch): run "
-        "eagerly",
-        True,
-    ),
-    "compile.moe_experts_eager": (
-        f"{_MOE_LAYER}.routed_experts_compute",
-        "per-expert token counts are data-dependent (.tolist()/.item() split sizes, "
-        "sort_chunks_by_idxs, masked_select, grouped GEMM with host splits): run eagerly",
-        True,
-    ),
-    "compile.moe_combine_eager": (
-        f"{_MOE_LAYER}.combine",
-        "token combine is a collective with host-side split sizes (all-to-all, reduce-scatter, "
-        "DeepEP/HybridEP/NCCL-EP fused combine): run eagerly",
-        False,
-    ),
-}
+@patch(
+    "torch_compile.moe_dispatch_eager",
+    f"{_MOE_LAYER}.dispatch",
+    reason="token dispatch is a collective with host-side split sizes and side streams (all-to-all "
+    "D2H copies and event syncs, all-gather, DeepEP/HybridEP/NCCL-EP fused dispatch): run eagerly",
+)
+def _dispatch_eager(original):
+    return eager_region(original, data_dependent_outputs=True)
 
 
-def _register_eager_regions() -> None:
-    for name, (target, reason, dynamic) in EAGER_REGIONS.items():
-        patch(name, target, reason=reason)(
-            functools.partial(eager_region, data_dependent_outputs=dynamic)
-        )
+@patch(
+    "torch_compile.moe_experts_eager",
+    f"{_MOE_LAYER}.routed_experts_compute",
+    reason="per-expert token counts are data-dependent (.tolist()/.item() split sizes, "
+    "sort_chunks_by_idxs, masked_select, grouped GEMM with host splits): run eagerly",
+)
+def _experts_eager(original):
+    return eager_region(original, data_dependent_outputs=True)
 
 
-_register_eager_regions()
+@patch(
+    "torch_compile.moe_combine_eager",
+    f"{_MOE_LAYER}.combine",
+    reason="token combine is a collective with host-side split sizes (all-to-all, reduce-scatter, "
+    "DeepEP/HybridEP/NCCL-EP fused combine): run eagerly",
+)
+def _combine_eager(original):
+    return eager_region(original)
+
+
+# The MoE layer's eager regions (``python -m megatron.patchset --list --reasons``).
+EAGER_REGIONS = (
+    "torch_compile.moe_dispatch_eager",
+    "torch_compile.moe_experts_eager",
+    "torch_compile.moe_combine_eager",
+)
 
 
 _AUX_GRAD_OP = None
@@ -122,7 +125,7 @@ def aux_loss_grad_op():
 
 
 @patch(
-    "compile.aux_loss_backward_opaque",
+    "torch_compile.aux_loss_backward_opaque",
     f"{_AUX_SCALER}.backward",
     reason="dynamo cannot trace the backward's class-attribute loss scale (a graph break at every "
     "aux/z-loss in the router): compute the same gradient in a custom op run at backward time",
@@ -178,7 +181,7 @@ def random_logits_op():
 
 
 @patch(
-    "compile.random_logits_opaque",
+    "torch_compile.random_logits_opaque",
     "megatron.core.transformer.moe.router.apply_random_logits",
     reason="--moe-router-force-load-balancing draws the router's logits inside the RNG tracker's "
     "fork (CUDA RNG state reads, not traceable) within MoELayer.custom_forward's try block, so "
@@ -197,7 +200,7 @@ def _random_logits_factory(original):
 
 
 @patch(
-    "compile.tp_group_lookup_quiet",
+    "torch_compile.tp_group_lookup_quiet",
     "megatron.core.tensor_parallel.layers.get_tensor_model_parallel_group_if_none",
     reason="the local spec's RowParallelLinear passes tp_group=None and the rank-0-only "
     "deprecation warning is a graph break on rank 0 only: resolve the same group without it while "
@@ -223,7 +226,7 @@ def _tp_group_factory(original):
     return get_tensor_model_parallel_group_if_none
 
 
-PATCH_NAMES = tuple(EAGER_REGIONS) + (
-    "compile.aux_loss_backward_opaque",
-    "compile.tp_group_lookup_quiet",
+PATCH_NAMES = EAGER_REGIONS + (
+    "torch_compile.aux_loss_backward_opaque",
+    "torch_compile.tp_group_lookup_quiet",
 )

@@ -22,10 +22,11 @@ What it does, and why this way:
 * **TE kernels as torch code while tracing.** TE's norms, fused RoPE, the router's gating GEMM
   and the fused router's kernels are pybind calls, a graph break each; inside the compiled layers
   (only there, only while dynamo traces) they run as torch code computing the same thing, which
-  inductor fuses (``compile.*_traceable``; off with ``--compile-transformer-layers-te-kernels``).
+  inductor fuses (``torch_compile.*_traceable``; off with
+  ``--compile-transformer-layers-te-kernels``).
   In plain bf16 on one tensor-parallel rank the same holds for the TE spec's attention block: the
   QKV ``LayerNormLinear`` and output ``Linear`` run as the norm and ``F.linear``, TE's
-  ``DotProductAttention`` as ``F.scaled_dot_product_attention`` (``compile.te_*_traceable``,
+  ``DotProductAttention`` as ``F.scaled_dot_product_attention`` (``torch_compile.te_*_traceable``,
   :data:`ATTENTION_BLOCK_PATCHES`). What still breaks a layer is the MoE layer's eager middle.
 * **No silent eager fallback, no recompiles after warm-up.** Dynamo's recompile limit is a hard
   error (``fail_on_recompile_limit_hit``); per-layer integer attributes are not specialised

@@ -136,6 +136,15 @@ def sum_unpermute(permuted_tokens, token_of_row, restore_shape):
     )
 
 
+@patch(
+    "torch_compile.moe_permute_traceable",
+    f"{_TOKEN_DISPATCHER}.permute",
+    reason="--moe-permute-fusion's TE permute is Triton launched from Python on every compiled "
+    "layer's host path: while compiling, the dropless all-to-all permutation as a gather inductor "
+    "fuses (gradient: each token's k rows summed in fp32, no atomics)",
+    enabled=traceable_permutation,
+    flags=(FLAG, "--moe-permute-fusion"),
+)
 def _permute_factory(original):
     row_functions()  # classes are built here, not while dynamo traces
 
@@ -179,6 +188,14 @@ def _permute_factory(original):
     return permute
 
 
+@patch(
+    "torch_compile.moe_unpermute_traceable",
+    f"{_TOKEN_DISPATCHER}.unpermute",
+    reason="the inverse of torch_compile.moe_permute_traceable: each token's k rows summed in "
+    "fp32, as TE's unpermute does; TE's row maps still go to TE",
+    enabled=traceable_permutation,
+    flags=(FLAG, "--moe-permute-fusion"),
+)
 def _unpermute_factory(original):
     row_functions()
 
@@ -216,22 +233,7 @@ def _unpermute_factory(original):
     return unpermute
 
 
-PERMUTATION_PATCHES = ("compile.moe_permute_traceable", "compile.moe_unpermute_traceable")
-
-patch(
-    PERMUTATION_PATCHES[0],
-    f"{_TOKEN_DISPATCHER}.permute",
-    reason="--moe-permute-fusion's TE permute is Triton launched from Python on every compiled "
-    "layer's host path: while compiling, the dropless all-to-all permutation as a gather inductor "
-    "fuses (gradient: each token's k rows summed in fp32, no atomics)",
-    enabled=traceable_permutation,
-    flags=(FLAG, "--moe-permute-fusion"),
-)(_permute_factory)
-patch(
-    PERMUTATION_PATCHES[1],
-    f"{_TOKEN_DISPATCHER}.unpermute",
-    reason="the inverse of compile.moe_permute_traceable: each token's k rows summed in fp32, as "
-    "TE's unpermute does; TE's row maps still go to TE",
-    enabled=traceable_permutation,
-    flags=(FLAG, "--moe-permute-fusion"),
-)(_unpermute_factory)
+PERMUTATION_PATCHES = (
+    "torch_compile.moe_permute_traceable",
+    "torch_compile.moe_unpermute_traceable",
+)

@@ -28,47 +28,55 @@ from megatron.patchset.features.torch_compile.tracing import tracing
 _ROUTER = "megatron.core.transformer.moe.router"
 
 
-def _register_unfused_while_compiling(name: str, function: str, reason: str) -> None:
-    """``router.<function>(..., fused=...)`` is called with ``fused=False`` while compiling."""
+def unfused_while_compiling(original):
+    """``router.<function>(..., fused=...)`` called with ``fused=False`` while compiling."""
 
-    def factory(original):
-        @functools.wraps(original)
-        def unfused_while_compiling(*args, **kwargs):
-            # Upstream's fused top-k ignores router replay, the unfused one honours it: keep the
-            # fused kernel (a graph break) there, so compiled and eager routing stay the same.
-            if kwargs.get("fused") and kwargs.get("router_replay") is None and tracing():
-                kwargs["fused"] = False
-            return original(*args, **kwargs)
+    @functools.wraps(original)
+    def routing_function(*args, **kwargs):
+        # Upstream's fused top-k ignores router replay, the unfused one honours it: keep the
+        # fused kernel (a graph break) there, so compiled and eager routing stay the same.
+        if kwargs.get("fused") and kwargs.get("router_replay") is None and tracing():
+            kwargs["fused"] = False
+        return original(*args, **kwargs)
 
-        return unfused_while_compiling
-
-    patch(
-        name,
-        f"{_ROUTER}.{function}",
-        reason=reason,
-        enabled=traceable_router,
-        flags=(FLAG, "--moe-router-fusion"),
-    )(factory)
+    return routing_function
 
 
-_register_unfused_while_compiling(
-    "compile.router_topk_traceable",
-    "topk_routing_with_score_function",
-    "--moe-router-fusion's TE top-k kernel is two graph breaks per compiled layer (pybind call, "
-    "int() of a pybind enum): while compiling, megatron's unfused top-k, which inductor fuses",
+@patch(
+    "torch_compile.router_topk_traceable",
+    f"{_ROUTER}.topk_routing_with_score_function",
+    reason="--moe-router-fusion's TE top-k kernel is two graph breaks per compiled layer "
+    "(pybind call, int() of a pybind enum): while compiling, megatron's unfused top-k, which "
+    "inductor fuses",
+    enabled=traceable_router,
+    flags=(FLAG, "--moe-router-fusion"),
 )
-_register_unfused_while_compiling(
-    "compile.router_aux_scores_traceable",
-    "compute_routing_scores_for_aux_loss",
-    "--moe-router-fusion's TE aux-loss score kernel is two graph breaks per compiled layer: while "
-    "compiling, megatron's unfused scores",
+def _router_topk_factory(original):
+    return unfused_while_compiling(original)
+
+
+@patch(
+    "torch_compile.router_aux_scores_traceable",
+    f"{_ROUTER}.compute_routing_scores_for_aux_loss",
+    reason="--moe-router-fusion's TE aux-loss score kernel is two graph breaks per compiled layer: "
+    "while compiling, megatron's unfused scores",
+    enabled=traceable_router,
+    flags=(FLAG, "--moe-router-fusion"),
 )
-_register_unfused_while_compiling(
-    "compile.router_aux_loss_traceable",
-    "switch_load_balancing_loss_func",
-    "--moe-router-fusion's TE aux-loss kernel is a graph break per compiled layer: while "
+def _router_aux_scores_factory(original):
+    return unfused_while_compiling(original)
+
+
+@patch(
+    "torch_compile.router_aux_loss_traceable",
+    f"{_ROUTER}.switch_load_balancing_loss_func",
+    reason="--moe-router-fusion's TE aux-loss kernel is a graph break per compiled layer: while "
     "compiling, megatron's unfused loss",
+    enabled=traceable_router,
+    flags=(FLAG, "--moe-router-fusion"),
 )
+def _router_aux_loss_factory(original):
+    return unfused_while_compiling(original)
 
 
 def gating_linear_function():
@@ -104,7 +112,7 @@ def gating_linear_function():
 
 
 @patch(
-    "compile.router_gating_traceable",
+    "torch_compile.router_gating_traceable",
     f"{_ROUTER}.router_gating_linear",
     reason="the router's gating GEMM goes through TE's general_gemm pybind (a graph break per "
     "compiled layer): while compiling, the same GEMM in torch ops",
@@ -125,7 +133,7 @@ def _router_gating_factory(original):
 
 
 @patch(
-    "compile.rope_traceable",
+    "torch_compile.rope_traceable",
     "megatron.core.transformer.attention.apply_rotary_pos_emb",
     reason="TE's fused RoPE (apply_rope_fusion, on by default) is a pybind call, a graph break "
     "per query and key in each compiled layer: while compiling, megatron's unfused bshd RoPE",
@@ -231,7 +239,7 @@ def make_norm_traceable(norm, classes: tuple | None = None):
 
 
 @patch(
-    "compile.te_norm_traceable",
+    "torch_compile.te_norm_traceable",
     "megatron.core.extensions.transformer_engine_spec_provider.TENorm",
     reason="the TE spec's q/k and pre-MLP norms are TE RMSNorm/LayerNorm modules whose kernels "
     "are pybind calls, a graph break each in every compiled layer: while compiling, the same norm "
@@ -250,9 +258,9 @@ def _te_norm_factory(original):
 
 
 # Applied with every compilation unless --compile-transformer-layers-te-kernels (the router
-# fusion ones, ``compile.router_*_traceable``, only with --moe-router-fusion).
+# fusion ones, ``torch_compile.router_*_traceable``, only with --moe-router-fusion).
 TRACEABLE_PATCHES = (
-    "compile.router_gating_traceable",
-    "compile.rope_traceable",
-    "compile.te_norm_traceable",
+    "torch_compile.router_gating_traceable",
+    "torch_compile.rope_traceable",
+    "torch_compile.te_norm_traceable",
 )

@@ -26,7 +26,7 @@ def triton_for_fused(original):
 
 
 @patch(
-    "loss.triton_cross_entropy",
+    "triton_cross_entropy.fused_loss",
     "megatron.core.models.common.language_module.language_module."
     "fused_vocab_parallel_cross_entropy",
     reason="megatron-core's fused cross entropy keeps the softmax in fp32 and passes over a "

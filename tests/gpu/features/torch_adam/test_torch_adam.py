@@ -222,7 +222,7 @@ def test_megatrons_step_with_the_fused_clip_and_copy_equals_its_own_passes(
         if p.feature == "torch_adam"
     ]
     torch_args = parse(tiny_argv(*TORCH))
-    adam_only = [p for p in registry.selected(torch_args) if p.name == "optimizer.torch_fused_adam"]
+    adam_only = [p for p in registry.selected(torch_args) if p.name == "torch_adam.fused_step"]
     norms, model, main, calls, kernel = _train_megatrons_optimizer(
         patches, one_rank_group, monkeypatch
     )

@@ -46,7 +46,7 @@ def compile_reports(run):
 LAYOUTS = {
     "compile_1gpu": (1, (), None),
     # TE's fused permutation eagerly, the gathered one while compiling
-    # (compile.moe_permute_traceable)
+    # (torch_compile.moe_permute_traceable)
     "compile_1gpu_permute_fusion": (1, ("--moe-permute-fusion",), None),
     "compile_2gpu_ep2": (2, ("--expert-model-parallel-size", "2"), None),
     "compile_2gpu_fsdp": (2, FSDP, FSDP_ENV),

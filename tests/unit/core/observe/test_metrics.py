@@ -1,4 +1,4 @@
-"""The ``training.metrics_jsonl`` observe patch: exact per-iteration records, megatron's
+"""The ``observe.metrics_jsonl`` observe patch: exact per-iteration records, megatron's
 forward-backward timer, and the outside timer around forward-backward."""
 
 import json
@@ -35,7 +35,7 @@ def test_metrics_patch_records_exact_values(tmp_path, monkeypatch):
         calls.append(iteration)
         return "flag"
 
-    wrapped = registry.get("training.metrics_jsonl").factory(fake_training_log)
+    wrapped = registry.get("observe.metrics_jsonl").factory(fake_training_log)
     loss = torch.tensor(2.718281828, dtype=torch.float32)
     for it in (1, 2):
         assert (
@@ -65,7 +65,7 @@ def test_metrics_patch_records_megatrons_forward_backward_timer(tmp_path, monkey
     def fake_training_log(*a, **k):  # megatron's training_log resets the timers it logs
         timers("forward-backward").reset()
 
-    wrapped = registry.get("training.metrics_jsonl").factory(fake_training_log)
+    wrapped = registry.get("observe.metrics_jsonl").factory(fake_training_log)
     loss = torch.tensor(1.0)
     args.timing_log_level = 0
     wrapped({"lm loss": loss}, {}, 1e-3, 1, 1.0, True, 0, 0.5, None, None)
@@ -92,7 +92,7 @@ def test_forward_backward_timed_around_the_call(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1))
     monkeypatch.setenv(metrics.FWD_BWD_ENV, "1")
     monkeypatch.delenv("MEGATRON_PATCHSET_PROFILE", raising=False)
-    patch = registry.get("training.observe_train_step")
+    patch = registry.get("observe.train_step")
     assert patch.wanted(None) and patch.kind == "observe"
 
     def forward_backward(**kwargs):

@@ -1,4 +1,4 @@
-"""The ``training.observe_train_step`` observe patch: the one-iteration wrapper, the labels, and
+"""The ``observe.train_step`` observe patch: the one-iteration wrapper, the labels, and
 one profiled step of the tiny local-spec MoE GPT on the CPU."""
 
 import json
@@ -37,7 +37,7 @@ def test_pipeline_calls_are_labelled_by_direction():
 
 
 def test_patch_is_registered_as_observe_on_train_step(monkeypatch):
-    patch = registry.get("training.observe_train_step")
+    patch = registry.get("observe.train_step")
     assert patch.kind == "observe" and patch.target == "megatron.training.training.train_step"
     monkeypatch.delenv(profile.PROFILE_ENV, raising=False)
     assert not patch.wanted(None)
@@ -83,7 +83,7 @@ def test_wrapper_profiles_exactly_the_requested_iteration_with_labels_from_the_s
         return f"result {iteration}"
 
     opt, config = Opt(), types.SimpleNamespace(finalize_model_grads_func=finalize)
-    wrapped = registry.get("training.observe_train_step").factory(fake_train_step)
+    wrapped = registry.get("observe.train_step").factory(fake_train_step)
     try:
         results = [
             wrapped(None, None, None, opt, None, config, None, iteration=i) for i in range(3)
@@ -163,7 +163,7 @@ def profiled_worker(rank, argv, port, folder, steps):
         optimizer.zero_grad()
         return float(loss / num_tokens)
 
-    step = registry.get("training.observe_train_step").factory(train_step)
+    step = registry.get("observe.train_step").factory(train_step)
     for i in range(steps):
         step(
             pretrain_gpt.forward_step,

@@ -19,12 +19,12 @@ def test_ncclep_bootstrap_patch_passes_num_topk(monkeypatch, nccl_jit_env):
 
     ep = _fake_te(monkeypatch)
     monkeypatch.setattr(probes, "nccl_runtime_version", lambda: probes.NCCL_EP_MIN_NCCL)
-    names = ["token_dispatcher.ncclep_bootstrap_topk", "token_dispatcher.ncclep_bootstrap"]
+    names = ["flex_dispatch.ncclep_bootstrap_topk", "flex_dispatch.ncclep_bootstrap"]
     applied = registry.apply_patches([registry.get(n) for n in names], check=False)
     try:
         assert (
             registry.patched_by(upstream.ensure_nccl_ep_bootstrapped)
-            == "token_dispatcher.ncclep_bootstrap"
+            == "flex_dispatch.ncclep_bootstrap"
         )
         manager = upstream._NCCLEPManager.__new__(upstream._NCCLEPManager)
         manager.__dict__.update(
@@ -62,7 +62,7 @@ def test_manager_construction_checks_the_backend(deep_ep_package):
     from megatron.core.transformer.moe import token_dispatcher as upstream
 
     deep_ep_package("broken")
-    applied = registry.apply_patches([registry.get("token_dispatcher.deepep_check")], check=False)
+    applied = registry.apply_patches([registry.get("flex_dispatch.deepep_check")], check=False)
     try:
         with pytest.raises(probes.FlexBackendError, match="libnvshmem_host.so.3"):
             upstream._DeepepManager(
@@ -86,7 +86,7 @@ def test_manager_check_runs_once_per_process_until_it_passes(monkeypatch, capsys
     monkeypatch.setattr(manager_checks, "check_backend", check_backend)
     monkeypatch.setattr(manager_checks, "backend_origin", lambda backend: "/site/deep_ep")
     monkeypatch.setattr(manager_checks, "_CHECKED", set())
-    init = manager_checks._checked_init("deepep")(lambda self: built.append(self))
+    init = manager_checks.checked_init(lambda self: built.append(self), "deepep")
     with pytest.raises(probes.FlexBackendError, match="not yet"):
         init("layer 1")
     for layer in ("layer 1", "layer 2", "layer 3"):
@@ -100,17 +100,17 @@ def test_patches_are_wanted_only_for_their_backend():
     args = validated(flex_argv("ncclep", "--moe-expert-rank-capacity-factor", "2.0"), 2)
     names = {p.name for p in registry.wanted(args)}
     assert {
-        "token_dispatcher.ncclep_check",
-        "token_dispatcher.ncclep_bootstrap",
-        "token_dispatcher.ncclep_bootstrap_topk",
+        "flex_dispatch.ncclep_check",
+        "flex_dispatch.ncclep_bootstrap",
+        "flex_dispatch.ncclep_bootstrap_topk",
     } <= names
-    assert "token_dispatcher.deepep_check" not in names
+    assert "flex_dispatch.deepep_check" not in names
     plain = {
         p.name
         for p in registry.wanted(validated(tiny_argv("--expert-model-parallel-size", "2"), 2))
     }
-    assert not any(n.startswith("token_dispatcher.") for n in plain)
-    assert all(registry.get(n).kind == "compat" for n in names if n.startswith("token_dispatcher."))
+    assert not any(n.startswith("flex_dispatch.") for n in plain)
+    assert all(registry.get(n).kind == "compat" for n in names if n.startswith("flex_dispatch."))
 
 
 def test_ncclep_bootstrap_repairs_te_ep_kernels_before_bootstrapping(monkeypatch):

@@ -247,9 +247,9 @@ def test_helper_without_fsdp_hooks_passes_no_capture_time_hooks(helper_class):
 
 
 MODULE_PATCHES = (
-    "cuda_graphs.hooks_fire_on_graphed_call",
-    "cuda_graphs.capture_uses_original_forward",
-    "cuda_graphs.static_inputs_params_dtype",
+    "fsdp_cuda_graphs.hooks_fire_on_graphed_call",
+    "fsdp_cuda_graphs.capture_uses_original_forward",
+    "fsdp_cuda_graphs.static_inputs_params_dtype",
 )
 
 
@@ -286,7 +286,7 @@ def graphable(params_dtype=torch.float32):
 
 
 def test_patch_targets_and_flags():
-    for name in MODULE_PATCHES + ("cuda_graphs.fsdp_capture_helper", fsdp_hooks.PATCH_NAME):
+    for name in MODULE_PATCHES + ("fsdp_cuda_graphs.capture_helper", fsdp_hooks.PATCH_NAME):
         patch = registry.get(name)
         assert patch.kind == "feature" and patch.upstream.number == 4232 and patch.reason
     args = types.SimpleNamespace(use_megatron_fsdp=True, cuda_graph_impl="transformer_engine")
@@ -297,13 +297,13 @@ def test_patch_targets_and_flags():
     bf16_graphs = types.SimpleNamespace(
         use_megatron_fsdp=False, cuda_graph_impl="transformer_engine", bf16=True
     )
-    assert registry.get("cuda_graphs.fsdp_capture_helper").wanted(args)
-    assert not registry.get("cuda_graphs.fsdp_capture_helper").wanted(eager)
-    assert not registry.get("cuda_graphs.fsdp_capture_helper").wanted(ddp_graphs)
-    assert registry.get("cuda_graphs.static_inputs_params_dtype").wanted(ddp_graphs)
+    assert registry.get("fsdp_cuda_graphs.capture_helper").wanted(args)
+    assert not registry.get("fsdp_cuda_graphs.capture_helper").wanted(eager)
+    assert not registry.get("fsdp_cuda_graphs.capture_helper").wanted(ddp_graphs)
+    assert registry.get("fsdp_cuda_graphs.static_inputs_params_dtype").wanted(ddp_graphs)
     # a bf16 model gets upstream's bf16 capture inputs already: no patch, so upstream mode can graph
     # it
-    assert not registry.get("cuda_graphs.static_inputs_params_dtype").wanted(bf16_graphs)
+    assert not registry.get("fsdp_cuda_graphs.static_inputs_params_dtype").wanted(bf16_graphs)
 
 
 def test_hooks_fire_around_capture_and_replay(module_patches):

@@ -15,7 +15,10 @@ from tests.unit.features.grouped_mm.conftest import (
     rows,
 )
 
-SPLIT_PATCHES = ["experts.splits_on_device_dispatcher", "experts.splits_on_device_grouped_mlp"]
+SPLIT_PATCHES = [
+    "grouped_mm.splits_on_device_dispatcher",
+    "grouped_mm.splits_on_device_grouped_mlp",
+]
 
 
 @pytest.fixture
@@ -52,7 +55,7 @@ def test_grouped_mlp_reads_the_token_counts_without_tolist(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", refuse)
     with pytest.raises(AssertionError, match="tolist"):
         mlp(x, torch.tensor(splits), probs)
-    name = "experts.splits_on_device_grouped_mlp"
+    name = "grouped_mm.splits_on_device_grouped_mlp"
     registry.apply_patches([registry.get(name)])
     try:
         out, bias = mlp(x, torch.tensor(splits), probs)

@@ -217,7 +217,7 @@ def test_patches_rebind_the_names_te_spec_provider_builds_experts_from(monkeypat
     row = type("TERowParallelGroupedLinear", (FakeTEGroupedLinear,), {})
     monkeypatch.setattr(provider, "TEColumnParallelGroupedLinear", column)
     monkeypatch.setattr(provider, "TERowParallelGroupedLinear", row)
-    names = ["experts.grouped_mm_fc1", "experts.grouped_mm_fc2"]
+    names = ["grouped_mm.fc1", "grouped_mm.fc2"]
     assert all(
         registry.get(n).wanted(tiny_parsed("--moe-grouped-gemm-impl", "torch")) for n in names
     )
@@ -229,7 +229,7 @@ def test_patches_rebind_the_names_te_spec_provider_builds_experts_from(monkeypat
         fc1, fc2 = spec.keywords["submodules"].linear_fc1, spec.keywords["submodules"].linear_fc2
         assert issubclass(fc1, column) and issubclass(fc1, linears.GroupedMMForward)
         assert issubclass(fc2, row) and issubclass(fc2, linears.GroupedMMForward)
-        assert registry.patched_by(fc1) == "experts.grouped_mm_fc1"
+        assert registry.patched_by(fc1) == "grouped_mm.fc1"
     finally:
         registry.revert(names)
     assert (

@@ -139,7 +139,7 @@ def test_the_patches_apply_only_with_adam_impl_torch():
         mcore.clip_grad_by_total_norm_fp32,
         (mcore.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params),
     )
-    names = {"optimizer.torch_adam_clip", "optimizer.foreach_param_copy"}
+    names = {"torch_adam.clip", "torch_adam.foreach_param_copy"}
     assert not names & {p.name for p in registry.selected(parse(tiny_argv()))}
     applied = registry.apply(parse(tiny_argv("--adam-impl", "torch")))
     try:

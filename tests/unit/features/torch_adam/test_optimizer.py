@@ -83,12 +83,10 @@ def test_the_patch_replaces_megatron_cores_adam_only_when_asked():
     import megatron.core.optimizer as mcore_optimizer
 
     original = mcore_optimizer.Adam
-    assert "optimizer.torch_fused_adam" not in {
-        p.name for p in registry.selected(parse(tiny_argv()))
-    }
+    assert "torch_adam.fused_step" not in {p.name for p in registry.selected(parse(tiny_argv()))}
     applied = registry.apply(parse(tiny_argv("--adam-impl", "torch")))
     try:
-        assert "optimizer.torch_fused_adam" in applied
+        assert "torch_adam.fused_step" in applied
         assert mcore_optimizer.Adam is not original
         assert mcore_optimizer.Adam.__wrapped__ is original
         opt = mcore_optimizer.Adam(params=params(), capturable=False, adam_w_mode=True, **KW)

@@ -254,9 +254,9 @@ def test_the_patch_selected_follows_the_implementation():
         impl: {p.name for p in registry.selected(parse(tiny_argv("--adam-impl", impl)))}
         for impl in ("te", "torch", "triton")
     }
-    shared = {"optimizer.torch_adam_clip", "optimizer.foreach_param_copy"}
-    assert not (shared | {"optimizer.torch_fused_adam", "optimizer.triton_adam"}) & names["te"]
-    assert shared | {"optimizer.torch_fused_adam"} <= names["torch"]
-    assert "optimizer.triton_adam" not in names["torch"]
-    assert shared | {"optimizer.triton_adam"} <= names["triton"]
-    assert "optimizer.torch_fused_adam" not in names["triton"]
+    shared = {"torch_adam.clip", "torch_adam.foreach_param_copy"}
+    assert not (shared | {"torch_adam.fused_step", "torch_adam.triton_step"}) & names["te"]
+    assert shared | {"torch_adam.fused_step"} <= names["torch"]
+    assert "torch_adam.triton_step" not in names["torch"]
+    assert shared | {"torch_adam.triton_step"} <= names["triton"]
+    assert "torch_adam.fused_step" not in names["triton"]

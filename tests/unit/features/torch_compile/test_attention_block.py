@@ -191,12 +191,8 @@ def _substituted(kind, stand_in):
     """``stand_in`` with its forward wrapped by the patch's factory (the patches wrap megatron's
     classes' ``forward`` in place; a subclass here keeps the stand-in itself unpatched)."""
     factory = {
-        "linear": attention_block._linear_factory(
-            attention_block.traceable_linear, "TELinear.forward"
-        ),
-        "layernorm_linear": attention_block._linear_factory(
-            attention_block.traceable_layernorm_linear, "TELayerNormColumnParallelLinear.forward"
-        ),
+        "linear": attention_block._te_linear_factory,
+        "layernorm_linear": attention_block._te_layernorm_linear_factory,
         "attention": attention_block._te_attention_factory,
     }[kind]
     forward = factory(stand_in.forward)
@@ -355,7 +351,7 @@ def test_substitutes_need_transformer_engine_classes():
     with pytest.raises(
         registry.PatchsetError, match="TELinear.forward.*--compile-transformer-layers-te-kernels"
     ):
-        attention_block._linear_factory(attention_block.traceable_linear, "TELinear.forward")(None)
+        attention_block._te_linear_factory(None)
 
 
 def test_fp8_autocast_or_cpu_offload_keeps_te(fresh_dynamo, in_compiled_layer, monkeypatch):
@@ -390,8 +386,8 @@ def test_attention_block_report_counts_traceable_modules(monkeypatch):
     linear_cls = _substituted("linear", StandInLinear)
     attention_cls = _substituted("attention", StandInAttention)
     names = {
-        linear_cls.forward: "compile.te_linear_traceable",
-        attention_cls.forward: "compile.te_attention_traceable",
+        linear_cls.forward: "torch_compile.te_linear_traceable",
+        attention_cls.forward: "torch_compile.te_attention_traceable",
     }
     monkeypatch.setattr(attention_block, "patched_by", lambda obj: names.get(obj))
     model = torch.nn.ModuleList(

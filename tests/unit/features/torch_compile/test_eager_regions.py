@@ -33,7 +33,7 @@ def test_random_logits_op_draws_what_upstream_draws(monkeypatch):
 
 
 def test_random_logits_patch_only_with_force_load_balancing():
-    patch = registry.get("compile.random_logits_opaque")
+    patch = registry.get("torch_compile.random_logits_opaque")
     assert patch.wanted(
         parse(tiny_argv("--compile-transformer-layers", "--moe-router-force-load-balancing"))
     )
@@ -68,7 +68,7 @@ def test_aux_loss_backward_compiles_with_inductor_on_cpu():
     import torch
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    names = registry.apply_patches([registry.get("compile.aux_loss_backward_opaque")])
+    names = registry.apply_patches([registry.get("torch_compile.aux_loss_backward_opaque")])
     saved = MoEAuxLossAutoScaler.main_loss_backward_scale
     try:
         MoEAuxLossAutoScaler.main_loss_backward_scale = torch.full((1,), 0.5)

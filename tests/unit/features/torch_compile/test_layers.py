@@ -56,7 +56,7 @@ def test_patches_registered_and_wanted_only_with_flag():
         patch = by_name[name]
         assert patch.kind == "feature" and patch.when == ("--compile-transformer-layers",)
         assert patch.reason and "\n" not in patch.reason
-    assert {t for t, *_ in eager_regions.EAGER_REGIONS.values()} == {
+    assert {registry.get(name).target for name in eager_regions.EAGER_REGIONS} == {
         f"megatron.core.transformer.moe.moe_layer.{f}" for f in REGION_FUNCTIONS
     }
     off, on = parse(tiny_argv()), parse(tiny_argv("--compile-transformer-layers"))
@@ -132,7 +132,7 @@ def test_force_load_balancing_keeps_the_moe_body_compiled(tmp_path):
     (eager,) = train(tmp_path / "eager", 1, *flb, mode="real-fork", steps=4)
     (compiled,) = train(tmp_path / "compiled", 1, *flb, *COMPILED, mode="real-fork", steps=4)
     assert eager["error"] is None and compiled["error"] is None
-    assert "compile.random_logits_opaque" in compiled["applied"]
+    assert "torch_compile.random_logits_opaque" in compiled["applied"]
     stats = compiled["stats"][-1]
     assert set(REGION_FUNCTIONS) <= break_sites(stats), break_sites(stats)
     assert stats["frames_ok"] == stats["frames"]

@@ -1,5 +1,6 @@
-"""compile.moe_permute_traceable / compile.moe_unpermute_traceable: the dropless all-to-all
-permutation as gathers while compiling, against megatron's own (unfused) permute and unpermute."""
+"""torch_compile.moe_permute_traceable / torch_compile.moe_unpermute_traceable: the dropless
+all-to-all permutation as gathers while compiling, against megatron's own (unfused) permute and
+unpermute."""
 
 import types
 

@@ -23,9 +23,9 @@ def test_patches_wanted_with_compile_unless_te_kernels():
         return {p.name for p in registry.wanted(parse(tiny_argv(*extra)))} & set(
             te_kernels.TRACEABLE_PATCHES
             + (
-                "compile.router_topk_traceable",
-                "compile.router_aux_scores_traceable",
-                "compile.router_aux_loss_traceable",
+                "torch_compile.router_topk_traceable",
+                "torch_compile.router_aux_scores_traceable",
+                "torch_compile.router_aux_loss_traceable",
             )
         )
 
@@ -34,9 +34,9 @@ def test_patches_wanted_with_compile_unless_te_kernels():
     assert wanted("--compile-transformer-layers", "--moe-router-fusion") == set(
         te_kernels.TRACEABLE_PATCHES
     ) | {
-        "compile.router_topk_traceable",
-        "compile.router_aux_scores_traceable",
-        "compile.router_aux_loss_traceable",
+        "torch_compile.router_topk_traceable",
+        "torch_compile.router_aux_scores_traceable",
+        "torch_compile.router_aux_loss_traceable",
     }
     assert (
         wanted(
@@ -220,7 +220,7 @@ def test_router_gating_matches_upstream_and_traces(fresh_dynamo, in_compiled_lay
     same logits and gradients, and trace without a break (upstream's calls TE's GEMM on GPUs)."""
     from megatron.core.transformer.moe import moe_utils
 
-    names = registry.apply_patches([registry.get("compile.router_gating_traceable")])
+    names = registry.apply_patches([registry.get("torch_compile.router_gating_traceable")])
     try:
         from megatron.core.transformer.moe import router
 
@@ -254,7 +254,7 @@ def test_rope_unfused_while_compiling(fresh_dynamo, in_compiled_layer):
 
     from megatron.core.models.common.embeddings import rope_utils
 
-    names = registry.apply_patches([registry.get("compile.rope_traceable")])
+    names = registry.apply_patches([registry.get("torch_compile.rope_traceable")])
     try:
         from megatron.core.transformer import attention
 
@@ -302,9 +302,9 @@ def test_router_fusion_is_dropped_only_while_compiling(fresh_dynamo, in_compiled
         [
             registry.get(n)
             for n in (
-                "compile.router_topk_traceable",
-                "compile.router_aux_scores_traceable",
-                "compile.router_aux_loss_traceable",
+                "torch_compile.router_topk_traceable",
+                "torch_compile.router_aux_scores_traceable",
+                "torch_compile.router_aux_loss_traceable",
             )
         ]
     )
@@ -356,9 +356,9 @@ def test_router_fusion_is_dropped_only_while_compiling(fresh_dynamo, in_compiled
 
 
 def test_skipping_a_patch_compilation_needs_names_the_skip(monkeypatch):
-    monkeypatch.setenv(registry.SKIP_ENV, "compile.moe_dispatch_eager")
+    monkeypatch.setenv(registry.SKIP_ENV, "torch_compile.moe_dispatch_eager")
     with pytest.raises(
         registry.PatchsetError,
-        match="MEGATRON_PATCHSET_SKIP_PATCHES leaves out compile.moe_dispatch_eager",
+        match="MEGATRON_PATCHSET_SKIP_PATCHES leaves out torch_compile.moe_dispatch_eager",
     ):
         layers.compile_transformer_layers([torch.nn.Linear(1, 1)], compile_flags.CompileOptions())

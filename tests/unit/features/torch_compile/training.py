@@ -116,11 +116,11 @@ def worker(rank, world_size, argv, port, out, steps, mode):
     record["compiled_calls"] = compiled_calls
     record["eager_regions"] = {
         name: bool(
-            getattr(
-                registry.resolve_owner(target)[0], registry.resolve_owner(target)[1]
-            ).__dict__.get("_torchdynamo_disable", False)
+            getattr(*registry.resolve_owner(registry.get(name).target)).__dict__.get(
+                "_torchdynamo_disable", False
+            )
         )
-        for name, (target, *_) in eager_regions.EAGER_REGIONS.items()
+        for name in eager_regions.EAGER_REGIONS
     }
     record["dtoh_points"] = sorted(
         {

@@ -128,12 +128,12 @@ def test_the_patch_replaces_the_language_modules_name_only_when_asked():
 
     original = language_module.fused_vocab_parallel_cross_entropy
     fused = ("--cross-entropy-loss-fusion",)
-    assert "loss.triton_cross_entropy" not in {
+    assert "triton_cross_entropy.fused_loss" not in {
         p.name for p in registry.selected(parse(tiny_argv(*fused)))
     }
     applied = registry.apply(parse(tiny_argv(*fused, FLAG)))
     try:
-        assert "loss.triton_cross_entropy" in applied
+        assert "triton_cross_entropy.fused_loss" in applied
         replaced = language_module.fused_vocab_parallel_cross_entropy
         assert replaced is not original and replaced.__wrapped__ is original
     finally:
