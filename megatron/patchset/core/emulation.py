@@ -11,12 +11,14 @@ the received tokens garbage that a few steps later turns the router's weights to
 The two patches here stand in for the expert-parallel exchanges: every other rank of the
 expert-parallel group is taken to route exactly as this rank does. An all-gather on that group
 returns this rank's input once per rank; an all-to-all returns, from every peer, the chunk this
-rank sends to itself. The counts are then consistent, each local expert receives what it would
-from ranks routing alike (about ``tokens x top-k / experts`` per expert and source rank), and the
-values are real activations. Every other collective stays the fake group's no-op (gradient
-reductions keep this rank's gradients, parameter all-gathers leave the other shards as they
-were). The patches act only on a group whose backend is ``fake``; the first use prints one line
-saying that the exchanged tokens are stand-ins.
+rank sends to itself. The counts are then consistent, and this rank's experts receive exactly the
+rows, counts and probabilities (and, in the backward pass, the gradients) they would receive from
+ranks that route alike: about ``tokens x top-k / experts`` per expert and source rank. What comes
+back from the other ranks' experts in the combine has its real shape, filled with this rank's own
+expert outputs (a CPU test compares both against a real exchange). Every other collective stays
+the fake group's no-op: gradient reductions keep this rank's gradients, parameter all-gathers
+leave the other shards as they were. The patches act only on a group whose backend is ``fake``;
+the first use prints one line saying that the exchanged tokens are stand-ins.
 """
 
 from __future__ import annotations

@@ -73,7 +73,11 @@ def run_layer(dispatcher, experts, hidden, routing_map, probs, grad_out):
     }
 
 
-def worker(rank, world_size, port, case, dtype_name, factor, out):
+def worker(rank, world_size, port, case, dtype_name, factor, out, emulated=None):
+    """One rank of the comparison. ``emulated="alike"``: every rank takes rank 0's routing and
+    activations (a real exchange among ranks that route alike); ``emulated="fake"``: this one
+    process is rank ``rank`` of ``world_size`` under megatron's fake process group with the
+    fork's stand-ins for the expert-parallel exchanges, on rank 0's inputs."""
     import warnings
 
     from megatron.core import parallel_state
@@ -86,7 +90,20 @@ def worker(rank, world_size, port, case, dtype_name, factor, out):
     from tests.unit.support import cpu_shims
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    fake = emulated == "fake"
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from megatron.patchset.core import registry
+
+        torch.distributed.init_process_group(
+            "fake", store=FakeStore(), rank=rank, world_size=world_size
+        )
+        names = ("compat.fake_group_ep_all_to_all", "compat.fake_group_ep_all_gather")
+        registry.apply_patches([registry.get(n) for n in names], check=False)
+    else:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    inputs = 0 if emulated else rank  # whose routing and activations this rank takes
     mp = pytest.MonkeyPatch()
     cpu_shims.install(mp)
     dtype = getattr(torch, dtype_name)
@@ -94,7 +111,9 @@ def worker(rank, world_size, port, case, dtype_name, factor, out):
     experts_total = 4
     local = experts_total // ep
     try:
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(
+            expert_model_parallel_size=ep, create_gloo_process_groups=not fake
+        )
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -117,8 +136,8 @@ def worker(rank, world_size, port, case, dtype_name, factor, out):
         static = static_dispatcher(MoEAlltoAllTokenDispatcher)(
             local, indices, static_config, pg_collection=pg
         )
-        routing_map, probs = routing(case, rank, experts_total, seed=11)
-        gen = torch.Generator().manual_seed(40 + rank)
+        routing_map, probs = routing(case, inputs, experts_total, seed=11)
+        gen = torch.Generator().manual_seed(40 + inputs)
         hidden = torch.randn(TOKENS, H, generator=gen, dtype=dtype)
         grad_out = torch.randn(TOKENS, H, generator=gen, dtype=dtype)
         probs = probs.to(dtype)
@@ -155,3 +174,10 @@ def worker(rank, world_size, port, case, dtype_name, factor, out):
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
         mp.undo()
+        if fake:
+            registry.revert(names)
+
+
+def emulated_worker(_index, rank, *args):
+    """``worker`` as rank ``rank`` in a process of its own (torch's spawn passes the index)."""
+    worker(rank, *args)

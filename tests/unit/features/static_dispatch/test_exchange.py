@@ -11,9 +11,13 @@ from tests.unit.features.static_dispatch import exchange
 from tests.unit.support.cpu_train import free_port
 
 
-def run(tmp_path, case, dtype="float32", factor=2.0):
-    out = str(tmp_path / "exchange")
-    mp.spawn(exchange.worker, args=(2, free_port(), case, dtype, factor, out), nprocs=2, join=True)
+def run(tmp_path, case, dtype="float32", factor=2.0, emulated=None):
+    out = str(tmp_path / f"exchange-{emulated}")
+    args = (2, free_port(), case, dtype, factor, out, emulated)
+    if emulated == "fake":  # one process: rank 1 of 2
+        mp.spawn(exchange.emulated_worker, args=(1, *args), nprocs=1, join=True)
+        return [torch.load(f"{out}.rank1.pt")]
+    mp.spawn(exchange.worker, args=args, nprocs=2, join=True)
     return [torch.load(f"{out}.rank{r}.pt") for r in range(2)]
 
 
@@ -61,3 +65,24 @@ def test_overflow_is_flagged_everywhere_and_the_step_reruns_or_stops(tmp_path):
     assert int(results[0]["static"]["tokens_per_expert"].sum()) < int(
         results[0]["upstream"]["tokens_per_expert"].sum()
     )
+
+
+@pytest.mark.slow
+def test_the_emulated_rank_sees_the_exchange_of_ranks_that_route_alike(tmp_path):
+    """Rank 1 of 2 under the fake process group, with the fork's stand-ins for the expert-parallel
+    exchanges, against rank 1 of a real two-process exchange in which both ranks route and hold
+    the same tokens, for megatron's dispatcher and the static one: its experts receive the same
+    rows, counts and probabilities, compute the same outputs and get the same weight gradients.
+    What comes back from the other rank's experts (the combined output, the input gradients)
+    has its shape but this rank's values."""
+    (fake,) = run(tmp_path, "uneven", "float64", emulated="fake")
+    alike = run(tmp_path, "uneven", "float64", emulated="alike")[1]
+    for name in ("upstream", "static"):
+        for key in ("rows", "probs", "expert_out", "tokens_per_expert"):
+            assert torch.equal(fake[name][key], alike[name][key]), f"{name}: {key} differs"
+        for a, b in zip(fake[name]["weight_grads"], alike[name]["weight_grads"]):
+            assert torch.equal(a, b)
+        for key in ("out", "hidden_grad", "probs_grad"):
+            assert fake[name][key].shape == alike[name][key].shape
+            assert torch.isfinite(fake[name][key]).all()
+    assert int(fake["static"]["tokens_per_expert"].sum()) > 0
