@@ -53,9 +53,9 @@ class Feature:
         add_arguments: adds ``flags`` to megatron's parser group.
         packages: ``args -> [(package, why)]`` beyond torch and megatron-core.
         configure_config: ``(args, TransformerConfig) -> None``, called for every run: copies
-            the feature's options onto the config (absent attributes mean upstream behaviour).
-        pre_wrap_hook: ``args -> hook`` for megatron's ``GPTModelConfig.pre_wrap_hooks``,
-            asked for only when the feature is enabled.
+            the feature's options onto the config as attributes megatron-core does not define,
+            for the feature's patches to read (absent attributes mean upstream behaviour). It
+            changes nothing else: what changes upstream behaviour is a registered patch.
         in_use: ``args -> [flag as typed]``: what of the feature a run uses (the dry-run prints
             it); the switches by default.
     """
@@ -71,7 +71,6 @@ class Feature:
     add_arguments: Callable[[argparse._ArgumentGroup], None] | None = None
     packages: Callable[[Any], PackageList] = _no_packages
     configure_config: Callable[[Any, Any], None] | None = None
-    pre_wrap_hook: Callable[[Any], Callable[[list], list]] | None = None
     in_use: Callable[[Any], list[str]] | None = None
 
     def __post_init__(self):

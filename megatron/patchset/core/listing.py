@@ -7,6 +7,8 @@ from megatron.patchset.core import features, registry, rules
 from megatron.patchset.core.versions import SUPPORTED_MCORE_VERSION
 
 WIDTH = 100
+# What a feature's configure_config does (README, "How the overlay works").
+CONFIG_LINE = "its options copied onto megatron's TransformerConfig, read only by its patches"
 
 
 def wrap(text: str, indent: str, first: str | None = None, width: int = WIDTH) -> list[str]:
@@ -79,6 +81,8 @@ def format_list(reasons: bool = False) -> str:
             out += wrap(", ".join(feature.flags), "      ", "  flags: ")
         out += wrap(str(feature.upstream_pr), "      ", "  upstream: ")
         out += wrap(_export_line(feature), "      ", "  export: ")
+        if feature.configure_config is not None:
+            out += wrap(CONFIG_LINE, "      ", "  config: ")
         feature_rules = [r.name for r in rules.all_rules() if r.feature == feature.name]
         if feature_rules:
             out += wrap(", ".join(feature_rules), "      ", "  rules: ")

@@ -1,9 +1,10 @@
-"""Hooks into megatron's model builder (``megatron.training.models``), collected from the features.
+"""What ``pretrain_gpt.py`` asks of the features while it builds the model config.
 
-``GPTModelConfig.pre_wrap_hooks`` run on the list of model chunks after they are built and before
-DDP/Megatron-FSDP wrap them. The features that transform built modules (rather than patch
-upstream code) plug in here, and those whose options upstream code reads from the
-``TransformerConfig`` copy them onto it.
+Features whose options their patches read from megatron's ``TransformerConfig`` copy them onto it
+(:func:`configure_transformer_config`). What a feature does to the built model chunks is a
+registered patch of megatron's model builder (``torch_compile.compile_layers``), so that
+``--list`` shows it and ``MEGATRON_PATCHSET_SKIP_PATCHES`` can leave it out: no feature adds to
+``GPTModelConfig.pre_wrap_hooks`` (:func:`pre_wrap_hooks`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ ModelHook = Callable[[list], list]
 def configure_transformer_config(args: argparse.Namespace, config) -> None:
     """Copy every feature's model-level options from the flags onto megatron's TransformerConfig.
 
-    Code reading them uses ``getattr`` with the upstream behaviour as default, so a config
-    without them behaves exactly as upstream.
+    megatron-core neither defines nor reads these attributes; the features' patches read them
+    with ``getattr`` and upstream's behaviour as default, so a config without them, or a run
+    without those patches, behaves exactly as upstream.
     """
     for feature in features.load():
         if feature.configure_config is not None and not provided(feature.name):
@@ -29,10 +31,6 @@ def configure_transformer_config(args: argparse.Namespace, config) -> None:
 
 
 def pre_wrap_hooks(args: argparse.Namespace) -> list[ModelHook]:
-    """Hooks the parsed flags ask for, in feature order (only ``torch_compile`` has one: a hook
-    that changes layers must come before it, since compilation traces what it finds)."""
-    return [
-        feature.pre_wrap_hook(args)
-        for feature in features.enabled(args)
-        if feature.pre_wrap_hook is not None and not provided(feature.name)
-    ]
+    """Hooks for megatron's ``GPTModelConfig.pre_wrap_hooks``: none (see the module's
+    docstring). ``pretrain_gpt.py`` extends the model config's hooks with this list."""
+    return []

@@ -29,7 +29,8 @@ Guarantees:
   attribute ``__megatron_patchset__`` (the patch name) and ``__wrapped__`` (the upstream
   original), as Liger-Kernel's adapters do.
 * **Revertible.** :func:`revert` puts every original back, in reverse order, including attributes
-  a class only inherited (those are deleted again rather than shadowed).
+  a class only inherited (those are deleted again rather than shadowed). Objects built while a
+  patch was installed keep what it gave them (README, "How the overlay works").
 """
 
 from __future__ import annotations

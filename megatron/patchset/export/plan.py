@@ -58,8 +58,6 @@ def exportability(feature: features_mod.Feature) -> str | None:
     pr = feature.upstream_pr
     if not pr.exportable:
         return f"fork-only: {pr.note}"
-    if feature.pre_wrap_hook is not None:
-        return "its pre-wrap hook transforms built modules: no upstream call site"
     patches = feature_patches(feature)
     if not (patches or feature.rules or feature.add_arguments):
         return "no flags, rules or patches to export"

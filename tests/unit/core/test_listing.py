@@ -32,6 +32,7 @@ def test_list_groups_every_patch_under_its_feature_within_100_columns(extra):
             assert patch.name in section and patch.target in section
         for rule in feature.rules:
             assert rule.name in section.replace("\n      ", " ")
+        assert ("  config: " in section) == (feature.configure_config is not None)
     for patch in registry.registered():
         assert patch.name in joined
     assert ("why: " in out) == bool(extra)

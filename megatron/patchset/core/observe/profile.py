@@ -3,10 +3,13 @@
 
 ``observe.train_step`` (observe only): with ``MEGATRON_PATCHSET_PROFILE=<dir>:<N>`` set,
 megatron's ``train_step`` runs iteration ``N`` (1-based, as in megatron's log lines) under
-``torch.profiler`` (CPU activity, plus CUDA when a GPU is visible; no shapes, no stacks). For
-that one call only, megatron's MoE and attention methods and the pipeline's P2P calls run inside
-``record_function`` labels named ``ps:<category>[/<detail>]:<layer>``; every label is removed
-again afterwards, so the other iterations run the unmodified code. Rank 0 writes
+``torch.profiler`` (CPU activity, plus CUDA when a GPU is visible; no shapes, no stacks). During
+that one call, megatron's MoE and attention methods, the pipeline's P2P calls, the optimizer step
+and the gradient reduction run inside ``record_function`` labels named
+``ps:<category>[/<detail>]:<layer>`` (:mod:`~megatron.patchset.core.observe.labels`). The labels
+are installed at the run's first training iteration, before ``torch.compile`` traces anything,
+and stay to the end of the run; outside the profiled iteration they call the original without a
+label. They are not registered patches (README, "How the overlay works"). Rank 0 writes
 ``<dir>/trace.json`` (a chrome trace, open it in Perfetto) and ``<dir>/summary.json``, its
 reduction (:mod:`~megatron.patchset.core.observe.trace_summary`); every other rank ``r`` the same
 files under ``<dir>/rank<r>/``.

@@ -1,20 +1,14 @@
 """Per-layer ``torch.compile`` (docs/features/torch_compile.md).
 
 Each TransformerLayer's forward is compiled in place before DDP/Megatron-FSDP wrap the model
-(:mod:`.layers`); the MoE layer's dispatch, experts and combine run eagerly (:mod:`.eager_regions`);
-while dynamo traces, TE's norms, RoPE, router, attention block and the dropless permutation run as
-torch code that inductor fuses (:mod:`.te_kernels`, :mod:`.attention_block`, :mod:`.permutation`).
+(:mod:`.layers`, a patch of megatron's model builder); the MoE layer's dispatch, experts and
+combine run eagerly (:mod:`.eager_regions`); while dynamo traces, TE's norms, RoPE, router,
+attention block and the dropless permutation run as torch code that inductor fuses
+(:mod:`.te_kernels`, :mod:`.attention_block`, :mod:`.permutation`).
 """
 
 from megatron.patchset.core.features import Feature
 from megatron.patchset.features.torch_compile import flags
-
-
-def _pre_wrap_hook(args):
-    from megatron.patchset.features.torch_compile.layers import pre_wrap_hook
-
-    return pre_wrap_hook(args)
-
 
 FEATURE = Feature(
     name="torch_compile",
@@ -25,10 +19,16 @@ FEATURE = Feature(
     status="not yet verified on 2 GPUs",
     modules=tuple(
         f"{__name__}.{m}"
-        for m in ("rules", "eager_regions", "te_kernels", "attention_block", "permutation")
+        for m in (
+            "rules",
+            "eager_regions",
+            "te_kernels",
+            "attention_block",
+            "permutation",
+            "layers",
+        )
     ),
     flags=flags.FLAGS,
     add_arguments=flags.add_arguments,
-    pre_wrap_hook=_pre_wrap_hook,
     in_use=lambda args: [flags.FLAG] + flags.flags_given(args),
 )

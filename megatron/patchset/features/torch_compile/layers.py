@@ -2,9 +2,10 @@
 
 What it does, and why this way:
 
-* **Per block, in place.** A pre-wrap model hook (:func:`pre_wrap_hook`, run by megatron's model
-  builder on the built chunks before ``.cuda()``, ``Float16Module`` and DDP/Megatron-FSDP) replaces
-  each ``TransformerLayer``'s *instance* ``forward`` with a compiled one. The module stays in the
+* **Per block, in place.** The patch ``torch_compile.compile_layers`` (of megatron's model
+  builder: on the built chunks, after the model config's pre-wrap hooks and before ``.cuda()``,
+  ``Float16Module`` and DDP/Megatron-FSDP) replaces each ``TransformerLayer``'s *instance*
+  ``forward`` with a compiled one. The module stays in the
   tree (state-dict keys and attribute walks unchanged) and ``nn.Module.__call__`` is not compiled,
   so the hooks that DDP and Megatron-FSDP register later on the layer (parameter all-gather,
   reshard, post-backward reduce-scatter; Megatron-FSDP's unit modules *are* the TransformerLayers)
@@ -45,11 +46,12 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from megatron.patchset.core.errors import PatchsetError
-from megatron.patchset.core.registry import SKIP_ENV, applied, skipped_patches
+from megatron.patchset.core.registry import SKIP_ENV, applied, patch, skipped_patches
 from megatron.patchset.features.torch_compile import tracing
 from megatron.patchset.features.torch_compile.attention_block import (
     ATTENTION_BLOCK_PATCHES,
@@ -67,6 +69,8 @@ from megatron.patchset.features.torch_compile.permutation import (
     PERMUTATION_PATCHES,
     permutation_topk,
 )
+
+_BUILDER = "megatron.training.models.gpt"
 
 
 def configure_dynamo() -> None:
@@ -206,8 +210,9 @@ def permutation_report(model_chunks: list) -> str:
     )
 
 
-def pre_wrap_hook(args: Any) -> Callable[[list], list]:
-    """The model hook for ``GPTModelConfig.pre_wrap_hooks``."""
+def compile_hook(args: Any) -> Callable[[list], list]:
+    """What :func:`_compile_before_wrapping` runs on the built model chunks: every
+    TransformerLayer compiled in place, the compile monitor started, one line saying so."""
     options = options_from_args(args)
 
     def hook(model_chunks: list) -> list:
@@ -235,3 +240,41 @@ def pre_wrap_hook(args: Any) -> Callable[[list], list]:
         return model_chunks
 
     return hook
+
+
+def after(first: Callable[[list], list] | None, second: Callable[[list], list]):
+    """One pre-wrap hook: ``first`` (the model config's hooks, composed by megatron), then
+    ``second``. ``first`` returning None means what it means to megatron: the hooks' result is
+    not used."""
+
+    def pre_wrap_hook(model_chunks: list) -> list | None:
+        if first is not None:
+            model_chunks = first(model_chunks)
+            if model_chunks is None:
+                return None
+        return second(model_chunks)
+
+    return pre_wrap_hook
+
+
+@patch(
+    "torch_compile.compile_layers",
+    f"{_BUILDER}.unimodal_build_distributed_models",
+    reason="megatron builds the GPT model chunks and wraps them (GPU move, Float16Module, "
+    "DDP/Megatron-FSDP) in one call: compile each TransformerLayer's forward in place in between, "
+    "after the model config's pre-wrap hooks (compilation traces what they leave)",
+)
+def _compile_before_wrapping(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def unimodal_build_distributed_models(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["pre_wrap_hook"] = after(
+            bound.arguments.get("pre_wrap_hook"), compile_hook(get_args())
+        )
+        return original(*bound.args, **bound.kwargs)
+
+    return unimodal_build_distributed_models

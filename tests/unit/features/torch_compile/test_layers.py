@@ -64,6 +64,72 @@ def test_patches_registered_and_wanted_only_with_flag():
     assert set(eager_regions.PATCH_NAMES) <= {p.name for p in registry.wanted(on)}
 
 
+def test_compile_layers_patches_the_builder_gpt_models_call():
+    from megatron.training.models import gpt
+
+    patch = registry.get("torch_compile.compile_layers")
+    owner, attr = registry.resolve_owner(patch.target)
+    assert owner is gpt and attr == "unimodal_build_distributed_models"
+    # the name GPTModelBuilder.build_distributed_models looks up when it builds and wraps
+    assert attr in gpt.GPTModelBuilder.build_distributed_models.__code__.co_names
+    off, on = parse(tiny_argv()), parse(tiny_argv("--compile-transformer-layers"))
+    assert not patch.wanted(off) and patch.wanted(on)
+
+
+@pytest.fixture
+def builder_with_compile(monkeypatch):
+    """The patched builder around a stand-in for upstream's (same signature) that runs the
+    pre-wrap hook it gets on two chunks; what ran, in order, goes to ``calls``."""
+    import inspect
+
+    from megatron.training import global_vars
+    from megatron.training.models import dist_utils
+
+    args = parse(tiny_argv("--compile-transformer-layers"))
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    calls = []
+
+    def compile_hook(hook_args):
+        assert hook_args is args
+        return lambda chunks: calls.append(("compile", list(chunks))) or chunks
+
+    monkeypatch.setattr(layers, "compile_hook", compile_hook)
+
+    def upstream(*a, **k):
+        bound = inspect.signature(upstream).bind(*a, **k)
+        calls.append(("wrap", bound.arguments["pre_wrap_hook"](["chunk0", "chunk1"])))
+        return "wrapped"
+
+    upstream.__signature__ = inspect.signature(dist_utils.unimodal_build_distributed_models)
+    return registry.get("torch_compile.compile_layers").factory(upstream), calls
+
+
+def test_compile_layers_compiles_after_the_config_hooks_and_before_wrapping(builder_with_compile):
+    build, calls = builder_with_compile
+
+    def config_hook(chunks):
+        calls.append(("config", list(chunks)))
+        return chunks[::-1]
+
+    # as GPTModelBuilder.build_distributed_models calls it: every argument positional
+    positional = ["build_model", "config", "pgs", None, False, False, False, True, True, None]
+    assert build(*positional, config_hook, "model_type") == "wrapped"
+    assert calls == [
+        ("config", ["chunk0", "chunk1"]),
+        ("compile", ["chunk1", "chunk0"]),
+        ("wrap", ["chunk1", "chunk0"]),
+    ]
+    calls.clear()
+    assert build("build_model", "config", "pgs", wrap_with_ddp=False) == "wrapped"
+    assert calls == [("compile", ["chunk0", "chunk1"]), ("wrap", ["chunk0", "chunk1"])]
+
+
+def test_compile_layers_keeps_megatrons_meaning_of_a_hook_returning_none(builder_with_compile):
+    build, calls = builder_with_compile
+    build("build_model", "config", "pgs", pre_wrap_hook=lambda chunks: None)
+    assert calls == [("wrap", None)]
+
+
 def test_unpatched_upstream_mode_refuses_the_flag(monkeypatch):
     monkeypatch.setenv("MEGATRON_PATCHSET", "off")
     with pytest.raises(registry.PatchsetError, match="--compile-transformer-layers"):

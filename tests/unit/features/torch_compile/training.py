@@ -98,11 +98,13 @@ def worker(rank, world_size, argv, port, out, steps, mode):
             tracker.states_[name] = torch.Generator().manual_seed(4321 + offset).get_state()
     model_config = pretrain_gpt.model_config_from_args(args)
     applied = registry.apply(args)
-    model = GPTModelBuilder(model_config).build_model(
-        ProcessGroupCollection.use_mpu_process_groups()
+    # megatron's model builder as pretrain calls it (torch_compile.compile_layers compiles the
+    # layers there, before wrapping), without the wrappers
+    (model,) = GPTModelBuilder(model_config).build_distributed_models(
+        ProcessGroupCollection.use_mpu_process_groups(),
+        wrap_with_ddp=False,
+        mixed_precision_wrapper=None,
     )
-    for hook in model_config.pre_wrap_hooks:
-        hook([model])
     train, _, _ = pretrain_gpt.train_valid_test_datasets_provider([64, 0, 0])
     batch = next(iter(torch.utils.data.DataLoader(train, batch_size=args.micro_batch_size)))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
