@@ -58,6 +58,8 @@ class MetricsRecorder:
 
         if not torch.distributed.is_initialized():
             return True
+        if torch.distributed.get_backend() == "fake":  # one process emulates one rank
+            return True
         return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
     def write(self, record: dict) -> None:
