@@ -1192,7 +1192,7 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
             )
         )
     emulate = result.get("emulate")
-    if emulate:
+    if emulate and any(r.get("comm") for r in result["variants"]):
         links = emulate["links"]
         sections.append(
             (
@@ -1266,6 +1266,12 @@ def record_from(opts: argparse.Namespace) -> str:
     result.setdefault("date", today(os.path.getmtime(opts.record_from)))
     facts = result.get("facts") or {}
     result.setdefault("title", default_title(result["config"], result["nproc"], facts))
+    if opts.title:
+        result["title"] = opts.title
+    if result.get("emulate") and opts.system:  # the prediction for other machines
+        opts.emulate = result["emulate"]["world_size"]
+        opts.emulate_rank = result["emulate"]["rank"]
+        result["emulate"] = emulation_result(opts, facts, result["variants"])
     return write_record(result, os.path.dirname(os.path.abspath(opts.record_from)), opts)
 
 

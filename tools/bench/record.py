@@ -79,10 +79,12 @@ def software_line(facts: dict) -> str:
 
 def command_line(argv: list[str] | None, env: dict | None = None) -> str:
     """bench.py's command line as it ran, from the repository root, after the environment
-    variables of the launch that bench.json kept."""
+    variables of the launch that bench.json kept; a variable that names a path (its value holds a
+    ``/``) belongs to the machine that ran it and is left out."""
     if argv is None:
         return "not recorded (bench.json without argv)"
-    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
+    kept = {k: v for k, v in (env or {}).items() if "/" not in v}
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in kept.items())
     return f"{prefix}python {TOOL} {shlex.join(argv)}".rstrip()
 
 

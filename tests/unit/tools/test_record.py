@@ -46,7 +46,7 @@ def bench_json(folder, **extra):
         "title": "reference_moe.args on 1x NVIDIA H200",
         "date": "2026-11-20",
         "argv": ARGV,
-        "launch_env": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
+        "launch_env": {"CUDA_DEVICE_MAX_CONNECTIONS": "8", "PYTHONPATH": "/opt/site:/home/me/x"},
         "config": "examples/configs/reference_moe.args",
         "nproc": 1,
         "iters": 14,
@@ -91,6 +91,7 @@ def test_record_from_a_bench_json_holds_everything_to_repeat_the_run(tmp_path, c
         "Python 3.12.3"
     ) in lines
     command = lines[lines.index("```bash") + 1]
+    # the machine's paths stay out of the record
     assert command == (
         "CUDA_DEVICE_MAX_CONNECTIONS=8 python tools/bench/bench.py --config "
         "examples/configs/reference_moe.args --variant 'fast=--flag a b'"
@@ -189,3 +190,18 @@ def test_slugs_and_the_options_record_from_needs(capsys):
     with pytest.raises(SystemExit):
         bench.main([])
     assert "the following arguments are required: --config" in capsys.readouterr().err
+
+
+def test_an_emulated_runs_record_can_predict_for_other_machines(tmp_path):
+    argv = bench.argsfile.read(os.path.join(os.path.dirname(TINY), "qwen3_30b_a3b.args"))
+    argv += ["--expert-model-parallel-size", "8", "--use-distributed-optimizer"]
+    fast = {**row("fast", 160.0), "argv": argv, "emulated_world": 32, "tokens_per_s_per_gpu": 800.0}
+    emulate = {"world_size": 32, "rank": 0, "system": "h200", "gpus_per_node": 8, "links": {}}
+    bench_json(tmp_path / "out", variants=[fast], emulate=emulate)
+    docs = tmp_path / "docs"
+    args = ["--record-from", str(tmp_path / "out" / "bench.json"), "--record", "l1"]
+    assert bench.main(args + ["--record-dir", str(docs), "--system", "h100", "--title", "L1"]) == 0
+    page = (docs / "2026-11-20-l1.md").read_text()
+    assert page.startswith("# L1\n")
+    assert "rank 0 of 32), predicted for h100 nodes of 8 GPUs" in page
+    assert "| fast " in page.split("predicted for h100")[1]
