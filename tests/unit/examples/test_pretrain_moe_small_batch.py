@@ -78,7 +78,7 @@ def test_expert_parallel_full_graphs_take_the_static_all_to_all(script, knobs):
         "static_dispatch (--moe-static-dispatch, --moe-static-dispatch-capacity-factor 1.5" in out
     )
     assert "static_dispatch.graph_step" in out
-    assert ("--optimizer-cuda-graph" in out) == (script == "local")
+    assert "--optimizer-cuda-graph" in out  # the same recipe in both forms
     assert out.rstrip().endswith("dry-run: OK")
 
 
