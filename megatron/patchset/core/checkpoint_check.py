@@ -37,6 +37,10 @@ REMOTE_PREFIXES = ("msc://", "s3://", "gs://", "az://", "http://", "https://")
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
+def _refused(message: str) -> PreflightError:
+    return PreflightError(f"megatron-patchset: {message}")
+
+
 def iteration_dir(load: str, iteration: int | None) -> str:
     """megatron's directory of ``iteration`` in ``load`` (None: the ``release`` checkpoint)."""
     return os.path.join(load, "release" if iteration is None else f"iter_{iteration:07d}")
@@ -193,8 +197,8 @@ def _shown(iteration: int | None) -> str:
 
 def check(args, *, read_metadata: bool | None = None) -> str | None:
     """Check what ``--load`` would load; returns one line saying what (None without ``--load``),
-    raises :class:`PreflightError` with one line naming the file when megatron would fail or
-    start from random weights unasked.
+    raises :class:`PreflightError` with one line (``megatron-patchset: --load ...``) naming the
+    file when megatron would fail or start from random weights unasked.
 
     ``read_metadata``: read the ``.metadata`` files and shard sizes (default: on global rank 0).
     """
@@ -211,7 +215,7 @@ def _check_dir(flag: str, load: str, args, read_metadata: bool) -> str:
         return f"{flag} {load}: object storage, not checked here"
     load = os.path.expanduser(load)
     if os.path.exists(load) and not os.path.isdir(load):
-        raise PreflightError(f"{flag} {load} is a file, not a checkpoint directory.")
+        raise _refused(f"{flag} {load} is a file, not a checkpoint directory.")
     step = getattr(args, "ckpt_step", None) or None
     tracker = os.path.join(load, TRACKER)
     if step is None and not os.path.isfile(tracker):
@@ -221,18 +225,16 @@ def _check_dir(flag: str, load: str, args, read_metadata: bool) -> str:
     else:
         iteration, problem = _read_tracker(load)
         if problem:
-            raise PreflightError(f"{flag} {load}: {problem}; {_instead(load)}.")
+            raise _refused(f"{flag} {load}: {problem}; {_instead(load)}.")
     path = iteration_dir(load, iteration)
     which = f"--ckpt-step {step}" if step is not None else f"{tracker} names {_shown(iteration)}"
     if not os.path.isdir(path):
-        raise PreflightError(
-            f"{flag} {load}: {which}, but {path} does not exist; {_instead(load)}."
-        )
+        raise _refused(f"{flag} {load}: {which}, but {path} does not exist; {_instead(load)}.")
     if not read_metadata:
         return f"{flag} {load}: {_shown(iteration)} ({path})"
     problem = checkpoint_problem(path)
     if problem:
-        raise PreflightError(
+        raise _refused(
             f"{flag} {load}: {_shown(iteration)} cannot be loaded: {problem}; "
             f"{_instead(load, iteration)}."
         )
@@ -252,13 +254,13 @@ def _no_tracker(flag: str, load: str, args, read_metadata: bool) -> str:
     what = "does not exist" if not os.path.exists(load) else f"holds no {TRACKER}"
     good = last_complete(load) if read_metadata else None
     if good is not None:
-        raise PreflightError(
+        raise _refused(
             f"{flag} {load} {what}, so megatron would start from random weights, but "
             f"{iteration_dir(load, good)} is a complete checkpoint: pass --ckpt-step {good}, or "
             f"write {good} into {os.path.join(load, TRACKER)}."
         )
     if getattr(args, "exit_on_missing_checkpoint", False):
-        raise PreflightError(
+        raise _refused(
             f"{flag} {load} {what} and --exit-on-missing-checkpoint is set: there is no "
             "checkpoint to load."
         )
@@ -272,7 +274,7 @@ def _no_tracker(flag: str, load: str, args, read_metadata: bool) -> str:
         load, getattr(args, "save", None)
     )
     if flag != "--load" or not fresh:
-        raise PreflightError(
+        raise _refused(
             f"{flag} {load} {what}: there is no checkpoint to load. Check the path"
             + (
                 f"; to start from random weights on purpose, pass {ALLOW_MISSING_FLAG}."

@@ -389,8 +389,9 @@ def upstream_mode(environ: Any = None) -> bool:
     if not value or value.lower() in PATCHED_VALUES:
         return False
     raise PatchsetError(
-        f"{UPSTREAM_ENV}={value!r} is not one of {', '.join(PATCHED_VALUES)} (the fork, as when "
-        f"unset) or {', '.join(UPSTREAM_VALUES)} (unpatched upstream megatron-core)."
+        f"megatron-patchset: {UPSTREAM_ENV}={value!r} is not one of {', '.join(PATCHED_VALUES)} "
+        f"(the fork, as when unset) or {', '.join(UPSTREAM_VALUES)} (unpatched upstream "
+        "megatron-core)."
     )
 
 

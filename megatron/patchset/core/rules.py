@@ -110,7 +110,7 @@ def skipped_rules() -> set[str]:
             if (close := difflib.get_close_matches(name, known, n=2, cutoff=0.6))
         ]
         raise PatchsetError(
-            f"{SKIP_RULES_ENV} names unknown rules: {', '.join(unknown)}"
+            f"megatron-patchset: {SKIP_RULES_ENV} names unknown rules: {', '.join(unknown)}"
             + (f" ({'; '.join(hints)})" if hints else "")
             + ". A rule's name is the bracketed word before its message, e.g. [sizes-positive]."
         )

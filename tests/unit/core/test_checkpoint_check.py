@@ -117,7 +117,7 @@ def test_a_whole_checkpoint_passes_and_names_what_is_loaded(ckpt):
 def test_a_bad_latest_checkpoint_names_the_file_and_the_last_complete_iteration(ckpt, case):
     named = CORRUPTIONS[case](ckpt)
     text = refusal(ckpt)
-    assert text.startswith(f"--load {ckpt}")
+    assert text.startswith(f"megatron-patchset: --load {ckpt}")
     assert named in text
     # iteration 20 is the bad one (or the tracker is), 10 is whole; with a garbage tracker or a
     # missing folder 20 itself is complete
@@ -150,7 +150,8 @@ def test_a_missing_load_folder_is_refused_unless_a_fresh_start_is_meant(tmp_path
     missing = tmp_path / "no-such"
     text = refusal(missing)
     assert text == (
-        f"--load {missing} does not exist: there is no checkpoint to load. Check the path; to "
+        f"megatron-patchset: --load {missing} does not exist: there is no checkpoint to load. "
+        "Check the path; to "
         "start from random weights on purpose, pass --load-allow-missing."
     )
     for extra in ({"load_allow_missing": True}, {"save": str(missing)}):
@@ -233,7 +234,7 @@ def test_the_launch_refuses_a_bad_checkpoint_before_it_starts(ckpt, tmp_path, ca
     proc = launch(*argv)
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("--load ") and named in last
+    assert last.startswith("megatron-patchset: --load ") and named in last
     assert "Traceback" not in proc.stderr
     assert "needs an NVIDIA GPU" not in proc.stderr  # refused before the GPU check
 

@@ -103,8 +103,8 @@ def test_another_megatron_patchset_value_is_refused_with_the_accepted_ones(monke
     with pytest.raises(PatchsetError) as err:
         registry.upstream_mode()
     assert str(err.value) == (
-        f"MEGATRON_PATCHSET={value!r} is not one of on, 1 (the fork, as when unset) or off, 0, "
-        "upstream (unpatched upstream megatron-core)."
+        f"megatron-patchset: MEGATRON_PATCHSET={value!r} is not one of on, 1 (the fork, as when "
+        "unset) or off, 0, upstream (unpatched upstream megatron-core)."
     )
     code, text = in_process(tiny_argv())
     assert code == 2 and f"MEGATRON_PATCHSET={value!r} is not one of" in text
@@ -114,5 +114,6 @@ def test_another_megatron_patchset_value_is_refused_with_the_accepted_ones(monke
 def test_the_launch_refuses_megatron_patchset_false_before_anything_runs():
     proc = launch(*tiny_argv(), env={"MEGATRON_PATCHSET": "false"})
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith("MEGATRON_PATCHSET='false' is not")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron-patchset: MEGATRON_PATCHSET='false' is not")
     assert "Traceback" not in proc.stderr

@@ -179,9 +179,9 @@ def test_an_unknown_rule_to_skip_is_named_without_a_build_failure_prefix(monkeyp
     assert dry_run.run(tiny_argv(), out=out) == 2
     message = out.getvalue().strip().splitlines()[-2]
     assert message == (
-        "MEGATRON_PATCHSET_SKIP_RULES names unknown rules: sizes-positve (sizes-positve: did you "
-        "mean sizes-positive?). A rule's name is the bracketed word before its message, e.g. "
-        "[sizes-positive]."
+        "megatron-patchset: MEGATRON_PATCHSET_SKIP_RULES names unknown rules: sizes-positve "
+        "(sizes-positve: did you mean sizes-positive?). A rule's name is the bracketed word before "
+        "its message, e.g. [sizes-positive]."
     )
 
 
