@@ -257,6 +257,23 @@ def test_a_resume_after_an_unfinished_save_loads_the_last_complete_checkpoint(sa
     assert record["before"] != record["sum"]
 
 
+@pytest.mark.slow
+def test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(saved, tmp_path):
+    """The saving process dies (status 137, no cleanup) in its third save, after the shards and
+    before the .metadata and the tracker: the check names iteration 20 and the newer folder, and
+    megatron loads iteration 20's weights (the same seed and steps as the ``saved`` run's)."""
+    folder = tmp_path / "checkpoint"
+    with pytest.raises(mp.ProcessExitedException, match="exit code 137|exitcode 137|137"):
+        spawn(tmp_path / "save", cpu_checkpoint.checkpoint_argv(folder), "killed", (10, 20, 30))
+    assert (folder / TRACKER).read_text().strip() == "20"
+    assert (folder / "iter_0000030").is_dir()
+    assert not (folder / "iter_0000030" / ".metadata").exists()
+    record = spawn(tmp_path / "load", cpu_flags(folder), "load")
+    assert "iteration 20, files complete" in record["check"]
+    assert str(folder / "iter_0000030") in record["check"]
+    assert record["iteration"] == 20 and record["sum"] == saved[1][20] != record["before"]
+
+
 def test_megatrons_exit_on_a_load_error_is_non_zero(tmp_path):
     """megatron's tracker reader ends with sys.exit() on a value it cannot parse; the compat patch
     makes the status 1."""

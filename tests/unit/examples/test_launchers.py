@@ -197,6 +197,22 @@ def test_slurm_script_default_interpreter_is_the_local_one():
     assert dry_run_command(proc.stdout)[0] == expected
 
 
+@pytest.mark.parametrize("script", ["examples/slurm/pretrain_moe_small_batch.sbatch", LOCAL[-1]])
+def test_an_interpreter_without_torch_and_megatron_is_refused_with_how_to_set_one_up(
+    script, tmp_path
+):
+    """PYTHON names an interpreter that cannot import torch and megatron.core (here this one
+    without its site-packages): one line naming PYTHON and the way to install the stack, exit 2,
+    before anything runs."""
+    bare = tmp_path / "python3"
+    bare.write_text(f'#!/bin/bash\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    proc = run_example(script, {"DRY_RUN": "1", "PYTHON": str(bare)}, drop=DROP)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"PYTHON={bare} cannot import torch and megatron.core")
+    assert "pip install -e '.[te]'" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
 def header(script):
     """The comment block at the top of a launcher, without its #SBATCH lines."""
     with open(os.path.join(ROOT, script)) as handle:

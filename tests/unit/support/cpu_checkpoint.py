@@ -60,6 +60,17 @@ def _cpu_stand_ins(patcher, torch):
     patcher.setattr(torch, "tensor", tensor)
 
 
+def _die_while_saving(patcher) -> None:
+    """The process ends (as under SIGKILL: no cleanup, status 137) when torch's checkpoint writer
+    finishes, after the shards are written and before the ``.metadata`` and megatron's tracker."""
+    from torch.distributed.checkpoint import filesystem
+
+    def killed(*_args, **_kwargs):
+        os._exit(137)
+
+    patcher.setattr(filesystem.FileSystemWriter, "finish", killed)
+
+
 def weight_sum(model) -> float:
     import torch
 
@@ -97,7 +108,7 @@ def run(rank, world_size, argv, port, out, mode, iterations):
     record = {}
     if mode == "load":
         record["check"] = checkpoint_check.check(parse_args(pretrain_gpt.add_patchset_args))
-    torch.manual_seed(1234 if mode == "save" else 4321)  # a load must overwrite the weights
+    torch.manual_seed(4321 if mode == "load" else 1234)  # a load must overwrite the weights
     args = parse_and_validate_args(extra_args_provider=pretrain_gpt.add_patchset_args)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(
@@ -106,9 +117,11 @@ def run(rank, world_size, argv, port, out, mode, iterations):
     model = GPTModelBuilder(pretrain_gpt.model_config_from_args(args)).build_model(
         ProcessGroupCollection.use_mpu_process_groups()
     )
-    if mode == "save":
+    if mode in ("save", "killed"):
         record["sums"] = {}
-        for iteration in iterations:
+        for at, iteration in enumerate(iterations):
+            if mode == "killed" and at == len(iterations) - 1:
+                _die_while_saving(patcher)
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(torch.randn_like(param) * 0.01)
