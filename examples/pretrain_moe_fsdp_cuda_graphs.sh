@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# MoE pretraining with Megatron-FSDP and TransformerEngine per-layer (partial) CUDA graphs:
-#
-#   --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
-#   --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail   fixed parameter-buffer addresses
-#   --cuda-graph-impl transformer_engine --cuda-graph-modules <scopes>
+# MoE pretraining with Megatron-FSDP and TransformerEngine per-layer (partial) CUDA graphs: the
+# fsdp_cuda_graphs recipe (docs/recipes.md#fsdp_cuda_graphs), Megatron-FSDP's double buffer at
+# fixed parameter-buffer addresses and TE graphs over each scope of --cuda-graph-modules.
 #
 # The fork takes Megatron-FSDP's hooks off each graphed layer for capture, runs FSDP's inner
 # handlers through TE's capture_time_hooks and puts the hooks back, so that replay gathers and

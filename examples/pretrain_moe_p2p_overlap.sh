@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # MoE pretraining with the fine-grained 1F1B schedule (EP all-to-all overlapped with compute)
-# in an interleaved pipeline, and the fork's backward-P2P overlap:
-#
-#   --overlap-p2p-backward-on-comm-stream        backward send/receive on the comm stream
-#   --overlap-p2p-wgrad-delayed-layer-number N   last N backward layers of a chunk defer wgrad
-#   --overlap-p2p-with-transformer-layer-wgrad   ... MLP/expert wgrad as well as attention's
+# in an interleaved pipeline, and the fork's backward-P2P overlap: the p2p_overlap recipe
+# (docs/recipes.md#p2p_overlap), whose knobs BWD_ON_COMM, DELAYED_LAYERS and TL_WGRAD set
+# --overlap-p2p-backward-on-comm-stream, --overlap-p2p-wgrad-delayed-layer-number and
+# --overlap-p2p-with-transformer-layer-wgrad.
 #
 # Layout: PP=2 x VPP=2 x EP=2 on 4 GPUs of one machine (TP=1, DP=2), the tiny MoE config
 # (examples/configs/tiny_moe.args) at 8 layers, i.e. 2 layers per model chunk.
