@@ -33,6 +33,11 @@ def register(optimizer: Any) -> None:
     _fused_optimizers.add(optimizer)
 
 
+def registered(optimizer: Any) -> bool:
+    """Whether ``optimizer`` was built by ``build_adam`` (``--adam-impl torch`` or ``triton``)."""
+    return optimizer is not None and optimizer in _fused_optimizers
+
+
 def owners(parameters) -> list | None:
     """The registered optimizers whose parameters are exactly ``parameters`` (together), or None
     when ``parameters`` holds anything else or only part of an optimizer's parameters."""
@@ -74,7 +79,9 @@ def clip_into_adam(original):
         if optimizers is None:
             return original(parameters, max_norm, total_norm, use_decoupled_grad=use_decoupled_grad)
         for optimizer in optimizers:
-            device = optimizer.param_groups[0]["params"][0].device
+            # the first group may hold no parameter on this rank (megatron's distributed
+            # optimizer keeps a rank's empty groups); owners() found one in some group
+            device = next(p for g in optimizer.param_groups for p in g["params"]).device
             optimizer.grad_scale = clip_scale(max_norm, total_norm, device)
         return None
 

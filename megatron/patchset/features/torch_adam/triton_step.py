@@ -17,8 +17,11 @@ The model parameter of each main parameter comes from the parameters the optimiz
 with: megatron-core builds Adam over the bf16 model parameters, and its
 ``Float16OptimizerWithFloat16Params`` then puts the fp32 main copy in the same place of the same
 group and links it as ``model_param.main_param``. A parameter whose link does not hold gets no
-bf16 write. :meth:`TritonStep.take_model_copy` tells the patched copy of megatron
-(:mod:`.param_copy`) that the last step already wrote every model parameter it would copy.
+bf16 write. Under megatron's distributed optimizer the main tensors are shards in groups of its
+own, and it gives the step each shard's bf16 view instead (:meth:`TritonStep.link_model_shards`,
+:mod:`.distributed`). :meth:`TritonStep.take_model_copy` tells the patched copy of megatron
+(:mod:`.param_copy`, :mod:`.distributed`) that the last step already wrote every model tensor it
+would copy.
 
 One launch covers all tensors: a table gives each program its tensor and block. Addresses reach
 the kernel as element offsets from one fp32 and one bf16 anchor tensor; when every address is 16
@@ -175,9 +178,43 @@ class TritonStep:
 
     def _remember_model_params(self) -> None:
         self._model_params = [list(group["params"]) for group in self.param_groups]
+        self._shard_models = {}
         self._plan = None
         self._wrote_model_params = False
         self._covers = {}
+
+    def link_model_shards(self, model_groups, main_groups) -> None:
+        """The bf16 destination of each main tensor that is a shard of its model parameter
+        (megatron's distributed optimizer: ``shard_float16_groups`` beside
+        ``shard_fp32_from_float16_groups``, views of DDP's parameter buffer). These links replace
+        the pairing by position with the parameters the optimizer was built with, which the
+        distributed optimizer's regrouping undoes: a main tensor without a link gets no bf16
+        write, and no links (empty groups) means no bf16 writes. A link with another size is
+        ignored."""
+        self._model_params = []
+        self._shard_models = {}
+        for models, mains in zip(model_groups, main_groups):
+            for model, main in zip(models, mains):
+                if model is not None and main is not None and model.numel() == main.numel():
+                    self._shard_models[id(main)] = model
+        self._plan = None
+
+    def _model_of(self, param, built):
+        """The bf16 model tensor the kernel writes for ``param``, or None."""
+        model = self._shard_models.get(id(param))
+        if model is None:
+            if built is None or getattr(built, "main_param", None) is not param:
+                return None
+            model = built
+        if (
+            model is param
+            or model.dtype != torch.bfloat16
+            or not model.is_contiguous()
+            or model.device != param.device
+            or model.numel() != param.numel()
+        ):
+            return None
+        return model
 
     def _rows(self):
         """(param, grad, exp_avg, exp_avg_sq, step, model or None) per parameter with a gradient,
@@ -200,12 +237,13 @@ class TritonStep:
                 ):
                     return None, None
                 state = self.state[param]
-                if len(state) == 0:
+                if "step" not in state:
+                    # megatron's init_state_fn may have made the moments already (a checkpoint
+                    # load allocates them before the first step)
                     state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        param, memory_format=torch.preserve_format
-                    )
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    if moment not in state:
+                        state[moment] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 step, avg, avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
                 if (
                     step.dtype != torch.float32
@@ -214,16 +252,7 @@ class TritonStep:
                     or not avg_sq.is_contiguous()
                 ):
                     return None, None
-                model = built[i] if i < len(built) else None
-                if not (
-                    model is not None
-                    and model is not param
-                    and getattr(model, "main_param", None) is param
-                    and model.dtype == torch.bfloat16
-                    and model.is_contiguous()
-                    and model.device == param.device
-                ):
-                    model = None
+                model = self._model_of(param, built[i] if i < len(built) else None)
                 rows.append((param, grad, avg, avg_sq, step, model))
                 groups.append(g)
         return rows, groups
@@ -302,17 +331,22 @@ class TritonStep:
         return loss
 
     def take_model_copy(self, owner) -> bool:
-        """True when the last step wrote every bf16 model parameter that ``owner`` (megatron's
-        ``Float16OptimizerWithFloat16Params``) copies from its main parameters; the copy is then
-        already done. Each step's writes are taken once."""
+        """True when the last step wrote every bf16 model tensor that ``owner`` (megatron's
+        ``Float16OptimizerWithFloat16Params``, or its ``DistributedOptimizer`` with shards) copies
+        from its main parameters; the copy is then already done. Each step's writes are taken
+        once."""
         if not getattr(self, "_wrote_model_params", False) or self._plan is None:
             return False
         self._wrote_model_params = False
         cached = self._covers.get(id(owner))
         if cached is None or cached[0] != self._plan.key:
+            if hasattr(owner, "shard_float16_groups"):
+                groups = zip(owner.shard_float16_groups, owner.shard_fp32_from_float16_groups)
+            else:
+                groups = zip(owner.float16_groups, owner.fp32_from_float16_groups)
             pairs = {
                 (id(model), id(main))
-                for models, mains in zip(owner.float16_groups, owner.fp32_from_float16_groups)
+                for models, mains in groups
                 for model, main in zip(models, mains)
             }
             cached = (self._plan.key, pairs <= self._plan.written)
