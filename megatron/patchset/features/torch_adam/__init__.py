@@ -6,7 +6,9 @@
 (:mod:`.param_copy`); megatron's mixed-precision optimizer around them (fp32 main parameters and
 gradients, the gradient norm, checkpoints) stays upstream's. ``--adam-impl triton`` keeps the same
 optimizer class and state and steps it with one Triton kernel that also applies the clip and writes
-the bf16 model parameters (:mod:`.triton_step`).
+the bf16 model parameters (:mod:`.triton_step`). Under ``--use-distributed-optimizer`` each
+data-parallel rank steps its shard of the fp32 main parameters and megatron all-gathers the bf16
+parameters (:mod:`.distributed`).
 """
 
 from megatron.patchset.core.features import Feature
@@ -26,6 +28,7 @@ FEATURE = Feature(
         f"{__name__}.clipping",
         f"{__name__}.param_copy",
         f"{__name__}.triton_step",
+        f"{__name__}.distributed",
     ),
     flags=(flags.FLAG,),
     add_arguments=flags.add_arguments,

@@ -40,5 +40,6 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "checkpoint format for torch optimizers (exp_avg, exp_avg_sq and a per-parameter "
         "step). triton: the same optimizer and state, stepped by one Triton kernel that also "
         "applies the clip and writes the bf16 model parameters (megatron's copy is skipped). "
-        "torch and triton need the non-distributed optimizer in fp32 main parameters.",
+        "torch and triton take fp32 main parameters, with or without "
+        "--use-distributed-optimizer (each data-parallel rank then steps its shard).",
     )

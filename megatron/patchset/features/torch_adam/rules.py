@@ -13,7 +13,6 @@ from megatron.patchset.features.torch_adam.flags import FLAG, requested
     flags=(
         FLAG,
         "--optimizer",
-        "--use-distributed-optimizer",
         "--use-megatron-fsdp",
         "--use-torch-fsdp2",
         "--use-precision-aware-optimizer",
@@ -30,11 +29,6 @@ def _adam_impl_torch(args):
     problems = []
     if getattr(args, "optimizer", "adam") != "adam":
         problems.append(f"--optimizer adam (got {args.optimizer})")
-    if getattr(args, "use_distributed_optimizer", False):
-        problems.append(
-            "no --use-distributed-optimizer (its checkpoint code reads the step the way TE's "
-            "FusedAdam keeps it whenever TransformerEngine is installed)"
-        )
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
         problems.append("no --use-megatron-fsdp / --use-torch-fsdp2 (sharded optimizers)")
     if getattr(args, "use_precision_aware_optimizer", False):

@@ -8,16 +8,18 @@ TORCH = ("--adam-impl", "torch")
 RULE = "adam-impl-torch-requirements"
 
 
-def test_the_plain_optimizer_and_the_optimizer_graph_pass():
+def test_the_plain_and_the_distributed_optimizer_and_the_optimizer_graph_pass():
     assert failures(tiny_argv(*TORCH)) == {}
     assert failures(tiny_argv(*TORCH, "--optimizer-cuda-graph")) == {}
+    for impl in ("torch", "triton"):
+        distributed = ("--use-distributed-optimizer", "--optimizer-cuda-graph")
+        assert failures(tiny_argv("--adam-impl", impl, *distributed), world_size=2) == {}
 
 
 @pytest.mark.parametrize(
     "extra, expected",
     [
         (("--optimizer", "sgd"), "--optimizer adam (got sgd)"),
-        (("--use-distributed-optimizer",), "no --use-distributed-optimizer"),
         (
             ("--use-distributed-optimizer", "--use-precision-aware-optimizer"),
             "no --use-precision-aware-optimizer",
