@@ -36,6 +36,7 @@ Guarantees:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import logging
 import os
@@ -401,10 +402,21 @@ def skipped_patches() -> set[str]:
     An unknown name is an error."""
     names = {n.strip() for n in os.environ.get(SKIP_ENV, "").split(",") if n.strip()}
     if names:
-        unknown = sorted(names - {p.name for p in registered()})
+        known = [p.name for p in registered()]
+        unknown = sorted(names - set(known))
         if unknown:
-            raise PatchsetError(f"{SKIP_ENV}: no patch named {', '.join(unknown)}")
+            raise PatchsetError(
+                f"{SKIP_ENV}: no patch named "
+                + ", ".join(name + _closest(name, known) for name in unknown)
+                + "; python -m megatron.patchset --list names every patch"
+            )
     return names
+
+
+def _closest(name: str, known: list[str]) -> str:
+    """ " (did you mean <patch>?)" for the known name closest to ``name``, else ""."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def selected(args: Any) -> list[Patch]:

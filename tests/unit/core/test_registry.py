@@ -150,7 +150,10 @@ def test_skip_env_leaves_named_patches_out(registry, monkeypatch, capsys):
     assert fake_upstream.helper(1) == 2
     assert "leaves out fake.on" in capsys.readouterr().out
     monkeypatch.setenv(registry.SKIP_ENV, "fake.on,no.such")
-    with pytest.raises(registry.PatchsetError, match="no patch named no.such"):
+    with pytest.raises(registry.PatchsetError, match=r"no patch named no\.such; python -m"):
+        registry.apply(object())
+    monkeypatch.setenv(registry.SKIP_ENV, "fake.of")
+    with pytest.raises(registry.PatchsetError, match=r"fake\.of \(did you mean fake\.on\?\)"):
         registry.apply(object())
     monkeypatch.delenv(registry.SKIP_ENV)
     assert registry.apply(object()) == ["fake.on"]
