@@ -2,18 +2,19 @@
 and a second launch with ``--load``; iterations 11-20 have the same losses and gradient norms to
 the last bit (``--deterministic-mode``), through pretrain_gpt.py on one GPU. For plain training,
 the small_batch recipe (docs/recipes.md) without its kernels, with torch's fused Adam captured
-too (``--adam-impl torch --optimizer-cuda-graph``), whole (the one-kernel Adam step captured, the
-Triton cross entropy), and whole with megatron's distributed optimizer; the fsdp_cuda_graphs
-recipe (Megatron-FSDP with TE per-layer graphs) and the compile recipe (per-layer
-torch.compile); the offload API's harness saves after an offload/reload cycle and reloads right
-after loading. All runs of a stage start at
-once (they share the GPU): this checks numerics, not time."""
+too (``--adam-impl torch --optimizer-cuda-graph``), whole (the one-kernel Adam step captured),
+and whole with megatron's distributed optimizer (each without the fused cross entropy, which
+``--deterministic-mode`` refuses); the fsdp_cuda_graphs recipe (Megatron-FSDP with TE per-layer
+graphs) and the compile recipe (per-layer torch.compile); the offload API's harness saves after
+an offload/reload cycle and reloads right after loading. All runs of a stage start at once
+(they share the GPU): this checks numerics, not time."""
 
 import os
 
 import pytest
 
 from megatron.patchset import recipes
+from megatron.patchset.core import argsfile
 from tests.gpu.conftest import ROOT, first_difference, launch, launch_many, tiny_argv
 
 pytestmark = pytest.mark.gpu
@@ -29,18 +30,34 @@ NUMERICS = (
     "--train-iters",
     str(ITERS),
 )
+
+
+def deterministic(flags):
+    """A recipe's flags as --deterministic-mode takes them: megatron refuses its fused cross
+    entropy there, and with it the fork's Triton one, which replaces it."""
+    for flag in ("--cross-entropy-loss-fusion", "--cross-entropy-triton"):
+        flags = argsfile.remove(list(flags), flag)
+    return tuple(flags)
+
+
 RECIPES = {
     "plain": ((), {}),
     # the small_batch recipe without its kernels, with torch's Adam captured, and whole
-    "full_iteration": (recipes.flags("small_batch", KERNELS=0, OPTIMIZER_GRAPH=0), {}),
-    "full_iteration_torch_adam_graph": (
-        (*recipes.flags("small_batch", KERNELS=0), "--adam-impl", "torch"),
+    "full_iteration": (
+        deterministic(recipes.flags("small_batch", KERNELS=0, OPTIMIZER_GRAPH=0)),
         {},
     ),
-    "full_iteration_triton_adam_graph": (recipes.flags("small_batch"), {}),
+    "full_iteration_torch_adam_graph": (
+        (*deterministic(recipes.flags("small_batch", KERNELS=0)), "--adam-impl", "torch"),
+        {},
+    ),
+    "full_iteration_triton_adam_graph": (deterministic(recipes.flags("small_batch")), {}),
     # the same with megatron's distributed optimizer (one data-parallel rank: the shard is the
     # whole) and its torch_dist checkpoint
-    "full_iteration_triton_adam_graph_distopt": (recipes.flags("small_batch", DIST_OPT=1), {}),
+    "full_iteration_triton_adam_graph_distopt": (
+        deterministic(recipes.flags("small_batch", DIST_OPT=1)),
+        {},
+    ),
     "fsdp_te_graphs": (
         recipes.get("fsdp_cuda_graphs")(SCOPES="attn").flags,
         dict(recipes.get("fsdp_cuda_graphs")().env),

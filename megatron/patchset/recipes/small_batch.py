@@ -29,7 +29,8 @@ def _build(k) -> r.Built:
     if k.dist_opt:
         flags += ["--use-distributed-optimizer"]
     if k.graphs == "full":
-        flags += ["--moe-expert-splits-on-device"]
+        # the counts stay on the device; megatron's unfused permutation would read them on the host
+        flags += ["--moe-permute-fusion", "--moe-expert-splits-on-device"]
         if k.ep > 1:
             flags += ["--moe-static-dispatch"]
             flags += ["--moe-static-dispatch-capacity-factor", f"{k.capacity_factor:g}"]
