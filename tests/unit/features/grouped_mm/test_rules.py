@@ -4,6 +4,7 @@ full-iteration CUDA graphs over a MoE model."""
 import pytest
 
 from megatron.patchset.core import rules
+from megatron.patchset.core.errors import PatchsetError
 from tests.unit.conftest import failures, tiny_argv
 
 TORCH = ("--moe-grouped-gemm-impl", "torch")
@@ -141,7 +142,7 @@ def test_named_rules_can_be_skipped_for_negative_controls(monkeypatch, capsys):
     assert failures(tiny_argv(*FULL)) == {}
     assert "rule full-iteration-graphs-dropless-moe skipped" in capsys.readouterr().out
     monkeypatch.setenv(rules.SKIP_RULES_ENV, "no-such-rule")
-    with pytest.raises(ValueError, match="no-such-rule"):
+    with pytest.raises(PatchsetError, match="no-such-rule"):
         failures(tiny_argv())
 
 
