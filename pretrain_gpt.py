@@ -306,9 +306,7 @@ def model_config_from_args(args):
     )
     rules.validate(args, "combination", config=transformer_config)
     model_hooks.configure_transformer_config(args, transformer_config)
-    model_config = gpt_config_from_args(args, config=transformer_config)
-    model_config.pre_wrap_hooks.extend(model_hooks.pre_wrap_hooks(args))
-    return model_config
+    return gpt_config_from_args(args, config=transformer_config)
 
 
 def _check_packages(args) -> None:

@@ -34,7 +34,7 @@ records and FLOP formula); its ``--tt-...`` flags choose torchtitan's options
 prints a second table pooling each variant's repeats, for configs whose step time drifts during a
 run (a single order would hand the drift to the later variants).
 Leading ``NAME=VALUE`` tokens of a variant are environment variables of that variant only
-(``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=compile.te_norm_traceable
+(``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=torch_compile.te_norm_traceable
 --compile-transformer-layers"``).
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
 micro-batch-size=1,2,4``); ``--set FLAG=VALUE`` overrides the config for all variants.

@@ -6,13 +6,13 @@
 
 Trains the config through ``pretrain_gpt.py`` under ``torchrun`` (as ``tools/bench/bench.py`` does,
 with its helpers) for ``--warmup`` + 1 iterations, with ``MEGATRON_PATCHSET_PROFILE`` set so
-that the observe patch ``training.observe_train_step`` (``megatron.patchset.core.observe.profile``)
-runs the last iteration under ``torch.profiler`` with labels on megatron's attention, router,
-dispatch,
-permutation, expert, combine and optimizer code. Rank 0 writes ``<out>/trace.json`` (open it in
-Perfetto or chrome://tracing) and ``<out>/summary.json``; this tool prints the summary as
-Markdown: host time per category (forward and backward), kernel launches, device-to-host syncs
-and GPU kernel time per category, the step's GPU busy and idle time, and a per-layer table.
+that the observe patch ``observe.train_step`` (``megatron.patchset.core.observe.profile``) runs
+the last iteration under ``torch.profiler`` with labels on megatron's attention, router,
+dispatch, permutation, expert, combine and optimizer code. Rank 0 writes ``<out>/trace.json``
+(open it in Perfetto or chrome://tracing) and ``<out>/summary.json``; this tool prints the
+summary as Markdown: host time per category (forward and backward), kernel launches,
+device-to-host syncs and GPU kernel time per category, the step's GPU busy and idle time, and a
+per-layer table.
 
 ``--summary FILE`` only prints an existing summary; ``--trace FILE`` re-reduces a trace.
 ``--upstream`` profiles unpatched megatron-core (``MEGATRON_PATCHSET=off``; observe patches

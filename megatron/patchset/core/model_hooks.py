@@ -4,18 +4,15 @@ Features whose options their patches read from megatron's ``TransformerConfig`` 
 (:func:`configure_transformer_config`). What a feature does to the built model chunks is a
 registered patch of megatron's model builder (``torch_compile.compile_layers``), so that
 ``--list`` shows it and ``MEGATRON_PATCHSET_SKIP_PATCHES`` can leave it out: no feature adds to
-``GPTModelConfig.pre_wrap_hooks`` (:func:`pre_wrap_hooks`).
+``GPTModelConfig.pre_wrap_hooks``.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 from megatron.patchset.core import features
 from megatron.patchset.core.provided import provided
-
-ModelHook = Callable[[list], list]
 
 
 def configure_transformer_config(args: argparse.Namespace, config) -> None:
@@ -28,9 +25,3 @@ def configure_transformer_config(args: argparse.Namespace, config) -> None:
     for feature in features.load():
         if feature.configure_config is not None and not provided(feature.name):
             feature.configure_config(args, config)
-
-
-def pre_wrap_hooks(args: argparse.Namespace) -> list[ModelHook]:
-    """Hooks for megatron's ``GPTModelConfig.pre_wrap_hooks``: none (see the module's
-    docstring). ``pretrain_gpt.py`` extends the model config's hooks with this list."""
-    return []
