@@ -46,7 +46,7 @@ class Links:
 
 # nccl-tests bus bandwidths for large messages (docs/benchmarks.md cites each):
 # - all-to-all among 8 H100 on NVLink 4: 320 GB/s; across 32 GPUs of DGX H100 nodes with
-#   8x 400 Gb/s InfiniBand: 48 GB/s, one NIC's worth (NVIDIA, GTC 2025 session S72583);
+#   8x 400 Gb/s InfiniBand: 48 GB/s, one NIC's worth (NVIDIA, GTC 2025 talk S72583);
 # - all-gather / reduce-scatter among 8 H200: 361 / 363 GB/s (ring, NCCL 2.27); NCCL's
 #   maintainers give about 370 GB/s for H100's NVLink 4 and 46-48 GB/s per 400 Gb/s NDR NIC.
 # H200 nodes have the same NVLink 4 switches and NICs: the same figures.

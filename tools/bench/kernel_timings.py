@@ -219,7 +219,7 @@ def adam_step_and_copy(reps: int) -> str:
     return (
         f"bf16 AdamW step with grad_scale over {params:.2f} B in {len(shapes)} tensors: torch "
         f"fused + _foreach_copy_ {t_torch:.2f} ms, one Triton kernel {t_triton:.2f} ms (aligned: "
-        f"{ours._plan.aligned}); max |param diff| after one step {diff:.2e}; bf16 copies "
+        f"{ours.aligned}); max |param diff| after one step {diff:.2e}; bf16 copies "
         f"bitwise equal: {same}"
     )
 

@@ -330,6 +330,12 @@ class TritonStep:
         self._wrote_model_params = True
         return loss
 
+    @property
+    def aligned(self) -> bool | None:
+        """Whether the last step's tensors were all 16-byte aligned, so that the kernel loaded and
+        stored them vectorised; None before the kernel's first step."""
+        return None if self._plan is None else self._plan.aligned
+
     def take_model_copy(self, owner) -> bool:
         """True when the last step wrote every bf16 model tensor that ``owner`` (megatron's
         ``Float16OptimizerWithFloat16Params``, or its ``DistributedOptimizer`` with shards) copies

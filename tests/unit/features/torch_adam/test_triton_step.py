@@ -111,7 +111,7 @@ def test_unaligned_tensors_take_the_unhinted_kernel_with_the_same_result(interpr
     reference = torch.optim.AdamW(ref, foreach=False, **KW)
     opt.step()
     reference.step()
-    assert opt._plan.aligned is False
+    assert opt.aligned is False
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
 
