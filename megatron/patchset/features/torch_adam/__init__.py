@@ -30,7 +30,10 @@ FEATURE = Feature(
         f"{__name__}.triton_step",
         f"{__name__}.distributed",
     ),
-    flags=(flags.FLAG,),
+    flags=(flags.FLAG, flags.MOMENTS_FLAG),
     add_arguments=flags.add_arguments,
-    in_use=lambda args: [f"{flags.FLAG} {flags.impl(args)}"],
+    in_use=lambda args: (
+        [f"{flags.FLAG} {flags.impl(args)}"]
+        + ([f"{flags.MOMENTS_FLAG} bf16"] if flags.moments_dtype(args) == "bf16" else [])
+    ),
 )

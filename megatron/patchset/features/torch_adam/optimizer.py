@@ -21,6 +21,8 @@ from megatron.patchset.core.registry import patch
 from megatron.patchset.features.torch_adam import clipping
 from megatron.patchset.features.torch_adam.flags import (
     FLAG,
+    MOMENTS_FLAG,
+    moments_dtype,
     wants_torch_kernel,
     wants_triton_kernel,
 )
@@ -40,10 +42,12 @@ def build_adam(
     adam_w_mode: bool = True,
     *,
     impl: str = "torch",
+    moments_dtype: str = "fp32",
     **unsupported,
 ):
     """torch's fused Adam (AdamW when ``adam_w_mode``) from megatron-core's Adam arguments;
-    ``impl="triton"``: the same optimizer stepped by :mod:`.triton_step`'s kernel."""
+    ``impl="triton"``: the same optimizer stepped by :mod:`.triton_step`'s kernel, its moments in
+    ``moments_dtype`` (``fp32`` or ``bf16``)."""
     import torch
 
     if unsupported:
@@ -70,6 +74,11 @@ def build_adam(
         fused=True,
         capturable=capturable,
     )
+    if moments_dtype == "bf16":
+        if impl != "triton":
+            raise PatchsetError(f"{MOMENTS_FLAG} bf16 acts only with {FLAG} triton")
+        optimizer.moments_dtype = torch.bfloat16
+        kernel += ", bf16 moments"
     # --clip-grad: the clip scale reaches the fused kernel as its grad_scale (.clipping), set
     # before each step and dropped after it.
     clipping.register(optimizer)
@@ -90,13 +99,23 @@ def build_adam(
     return optimizer
 
 
+def _requested_moments_dtype() -> str:
+    """``--adam-moments-dtype`` of the run (megatron's parsed arguments; fp32 outside a run)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return moments_dtype(get_args())
+    except (AssertionError, ImportError):  # no parsed arguments: not inside megatron's training
+        return "fp32"
+
+
 def _adam_builder(impl: str):
     """The replacement of megatron-core's Adam for ``impl``. A function of its own per application:
     the registry marks the replacement (sentinel, ``__wrapped__``), which must not stick to the
     module-level build_adam after a revert."""
 
     def adam(*args, **kwargs):
-        return build_adam(*args, impl=impl, **kwargs)
+        return build_adam(*args, impl=impl, moments_dtype=_requested_moments_dtype(), **kwargs)
 
     return adam
 

@@ -1,10 +1,16 @@
 """Rules for ``--adam-impl torch`` and ``triton``: what torch's AdamW replaces and what it does not
-cover."""
+cover; ``--adam-moments-dtype bf16`` only with the one-kernel step."""
 
 from __future__ import annotations
 
 from megatron.patchset.core.rules import listed, rule
-from megatron.patchset.features.torch_adam.flags import FLAG, requested
+from megatron.patchset.features.torch_adam.flags import (
+    FLAG,
+    MOMENTS_FLAG,
+    impl,
+    moments_dtype,
+    requested,
+)
 
 
 @rule(
@@ -46,3 +52,14 @@ def _adam_impl_torch(args):
             f"keeps the weight decay of the capture; got {args.weight_decay_incr_style})"
         )
     return listed(f"{FLAG} {args.adam_impl} needs: ", problems)
+
+
+@rule("adam-moments-dtype-needs-triton", phase="layout", flags=(MOMENTS_FLAG, FLAG))
+def _moments_dtype(args):
+    """bf16 moments are kept and rounded by the one-kernel step only."""
+    if moments_dtype(args) == "bf16" and impl(args) != "triton":
+        return (
+            f"{MOMENTS_FLAG} bf16 acts only with {FLAG} triton (got {FLAG} {impl(args)}): add "
+            f"{FLAG} triton or drop {MOMENTS_FLAG}."
+        )
+    return None

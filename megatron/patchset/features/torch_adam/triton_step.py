@@ -4,7 +4,8 @@ With ``--adam-impl torch`` a bf16 step is three passes over the parameters: torc
 (which, given a ``grad_scale``, also writes the scaled gradients back) and megatron's copy of the
 fp32 main parameters to the bf16 model parameters. They move 38 bytes per parameter. One kernel
 that reads the gradient, parameter and both moments and writes the parameter, both moments and
-the bf16 copy moves 30.
+the bf16 copy moves 30; with ``--adam-moments-dtype bf16`` (both moments kept in bf16, the
+update still computed in fp32) it moves 22.
 
 :class:`TritonAdamW` (and :class:`TritonAdam`, Adam with L2 weight decay) is torch's optimizer
 class with its own ``step``: the same state (``exp_avg``, ``exp_avg_sq`` and a 0-d fp32 ``step``
@@ -65,13 +66,15 @@ def _kernel():
         ADAMW: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         ALIGNED: tl.constexpr,
+        MOMENTS_BF16: tl.constexpr,
     ):
         pid = tl.program_id(0)
         t = tl.load(block_tensor + pid).to(tl.int64)
         index = tl.load(block_start + pid) + tl.arange(0, BLOCK)
         mask = index < tl.load(numels + t)
-        # offsets row t: param, grad, exp_avg, exp_avg_sq, step (fp32 elements from f32), model
-        # (bf16 elements from bf16), whether there is a model parameter to write
+        # offsets row t: param, grad, exp_avg, exp_avg_sq, step (fp32 elements from f32; the
+        # moments bf16 elements from bf16 with MOMENTS_BF16), model (bf16 elements from bf16),
+        # whether there is a model parameter to write
         p_at = tl.load(offsets + 7 * t)
         g_at = tl.load(offsets + 7 * t + 1)
         m_at = tl.load(offsets + 7 * t + 2)
@@ -82,8 +85,12 @@ def _kernel():
         if ALIGNED:
             p_at = tl.multiple_of(p_at, 4)
             g_at = tl.multiple_of(g_at, 4)
-            m_at = tl.multiple_of(m_at, 4)
-            v_at = tl.multiple_of(v_at, 4)
+            if MOMENTS_BF16:
+                m_at = tl.multiple_of(m_at, 8)
+                v_at = tl.multiple_of(v_at, 8)
+            else:
+                m_at = tl.multiple_of(m_at, 4)
+                v_at = tl.multiple_of(v_at, 4)
             b_at = tl.multiple_of(b_at, 8)
         group = tl.load(group_of + t).to(tl.int64)
         lr = tl.load(lrs + group).to(tl.float64)
@@ -98,8 +105,12 @@ def _kernel():
 
         param = tl.load(f32 + p_at + index, mask=mask)
         grad = tl.load(f32 + g_at + index, mask=mask)
-        exp_avg = tl.load(f32 + m_at + index, mask=mask)
-        exp_avg_sq = tl.load(f32 + v_at + index, mask=mask)
+        if MOMENTS_BF16:
+            exp_avg = tl.load(bf16 + m_at + index, mask=mask).to(tl.float32)
+            exp_avg_sq = tl.load(bf16 + v_at + index, mask=mask).to(tl.float32)
+        else:
+            exp_avg = tl.load(f32 + m_at + index, mask=mask)
+            exp_avg_sq = tl.load(f32 + v_at + index, mask=mask)
         if HAS_SCALE:
             grad = grad / tl.load(grad_scale)
         if ADAMW:
@@ -111,11 +122,22 @@ def _kernel():
         denom = tl.sqrt(exp_avg_sq) / correction2_sqrt + eps
         param = param - step_size * exp_avg / denom
         tl.store(f32 + p_at + index, param, mask=mask)
-        tl.store(f32 + m_at + index, exp_avg, mask=mask)
-        tl.store(f32 + v_at + index, exp_avg_sq, mask=mask)
+        # bf16 values are rounded to nearest even in integer arithmetic, so that Triton's
+        # interpreter (which truncates) rounds as the GPU and torch's copy do; NaN stays a quiet
+        # NaN.
+        if MOMENTS_BF16:
+            bits = exp_avg.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            bits = tl.where(exp_avg != exp_avg, 0x7FC0, bits).to(tl.uint16)
+            tl.store(bf16 + m_at + index, bits.to(tl.bfloat16, bitcast=True), mask=mask)
+            bits = exp_avg_sq.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            bits = tl.where(exp_avg_sq != exp_avg_sq, 0x7FC0, bits).to(tl.uint16)
+            tl.store(bf16 + v_at + index, bits.to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(f32 + m_at + index, exp_avg, mask=mask)
+            tl.store(f32 + v_at + index, exp_avg_sq, mask=mask)
         if has_model != 0:
-            # Round to nearest even in integer arithmetic, so that Triton's interpreter (which
-            # truncates) rounds as the GPU and torch's copy do; NaN stays a quiet NaN.
             bits = param.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
             bits = tl.where(param != param, 0x7FC0, bits).to(tl.uint16)
@@ -133,16 +155,25 @@ def available(device) -> bool:
 class _Plan:
     """The kernel's tables for one set of tensors (rebuilt when any address changes)."""
 
-    def __init__(self, key, rows, numels, groups, device, written):
+    def __init__(self, key, rows, numels, groups, device, written, moments_bf16=False):
         self.key = key
+        self.moments_bf16 = moments_bf16
         self.f32 = torch.empty(4, device=device)
         self.bf16 = torch.empty(8, device=device, dtype=torch.bfloat16)
         anchor32, anchor16 = self.f32.data_ptr(), self.bf16.data_ptr()
+
+        def f32_at(t):
+            return (t.data_ptr() - anchor32) // 4
+
+        def bf16_at(t):
+            return (t.data_ptr() - anchor16) // 2
+
+        moment_at = bf16_at if moments_bf16 else f32_at
         table = []
         for param, grad, avg, avg_sq, step, model in rows:
-            model_at = [0, 0] if model is None else [(model.data_ptr() - anchor16) // 2, 1]
+            model_at = [0, 0] if model is None else [bf16_at(model), 1]
             table.append(
-                [(t.data_ptr() - anchor32) // 4 for t in (param, grad, avg, avg_sq, step)]
+                [f32_at(param), f32_at(grad), moment_at(avg), moment_at(avg_sq), f32_at(step)]
                 + model_at
             )
         addresses = [t.data_ptr() for row in rows for t in row[:4]]
@@ -168,9 +199,14 @@ class _Plan:
 
 
 class TritonStep:
-    """The ``step`` of :class:`TritonAdamW` / :class:`TritonAdam` (a mixin over torch's class)."""
+    """The ``step`` of :class:`TritonAdamW` / :class:`TritonAdam` (a mixin over torch's class).
+
+    ``moments_dtype`` (``torch.float32`` or ``torch.bfloat16``, ``--adam-moments-dtype``) is the
+    dtype the two moments are kept in; the update itself is computed in fp32.
+    """
 
     adamw = True
+    moments_dtype = torch.float32
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -243,7 +279,12 @@ class TritonStep:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
                 for moment in ("exp_avg", "exp_avg_sq"):
                     if moment not in state:
-                        state[moment] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                        state[moment] = torch.zeros_like(
+                            param, dtype=self.moments_dtype, memory_format=torch.preserve_format
+                        )
+                    elif state[moment].dtype != self.moments_dtype:
+                        # moments loaded in another dtype (a checkpoint, megatron's dummy state)
+                        state[moment] = state[moment].to(self.moments_dtype)
                 step, avg, avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
                 if (
                     step.dtype != torch.float32
@@ -269,7 +310,9 @@ class TritonStep:
         )
         if self._plan is None or self._plan.key != key:
             written = {(id(row[5]), id(row[0])) for row in rows if row[5] is not None}
-            self._plan = _Plan(key, rows, [row[0].numel() for row in rows], groups, device, written)
+            numels = [row[0].numel() for row in rows]
+            bf16 = self.moments_dtype == torch.bfloat16
+            self._plan = _Plan(key, rows, numels, groups, device, written, moments_bf16=bf16)
         return self._plan
 
     def _tables(self, plan):
@@ -299,10 +342,10 @@ class TritonStep:
         self._wrote_model_params = False
         for group in self.param_groups:
             if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
-                return super().step(closure)
+                return self._torch_step(closure)
         plan = self._current_plan()
         if plan is None:
-            return super().step(closure)
+            return self._torch_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -325,9 +368,27 @@ class TritonStep:
             ADAMW=self.adamw,
             HAS_SCALE=scale is not None,
             ALIGNED=plan.aligned,
+            MOMENTS_BF16=plan.moments_bf16,
             num_warps=NUM_WARPS,
         )
         self._wrote_model_params = True
+        return loss
+
+    def _torch_step(self, closure=None):
+        """torch's own step (where the kernel does not run); it takes fp32 moments, so bf16 ones
+        are widened for it and rounded back (to nearest even, as the kernel does) after it."""
+        if self.moments_dtype == torch.float32:
+            return super().step(closure)
+        moments = ("exp_avg", "exp_avg_sq")
+        for state in self.state.values():
+            for moment in moments:
+                if moment in state:
+                    state[moment] = state[moment].float()
+        loss = super().step(closure)
+        for state in self.state.values():
+            for moment in moments:
+                if moment in state:
+                    state[moment] = state[moment].to(self.moments_dtype)
         return loss
 
     @property

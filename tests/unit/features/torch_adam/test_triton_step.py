@@ -260,3 +260,72 @@ def test_the_patch_selected_follows_the_implementation():
     assert "torch_adam.triton_step" not in names["torch"]
     assert shared | {"torch_adam.triton_step"} <= names["triton"]
     assert "torch_adam.fused_step" not in names["triton"]
+
+
+def bf16_moments_reference(ps, steps):
+    """AdamW with both moments stored in bf16: each step widens them to fp32, updates the
+    parameter in fp32 (torch's order of operations) and rounds them back to nearest even."""
+    state = [(torch.zeros(p.shape, dtype=torch.bfloat16),) * 2 for p in ps]
+    lr, (beta1, beta2), eps, decay = KW["lr"], KW["betas"], KW["eps"], KW["weight_decay"]
+    for step in range(1, steps + 1):
+        regrad(ps, step - 1)
+        for i, p in enumerate(ps):
+            m, v = (t.float() for t in state[i])
+            with torch.no_grad():
+                p.mul_(1 - lr * decay)
+                m = beta1 * m + (1 - beta1) * p.grad
+                v = beta2 * v + (1 - beta2) * p.grad * p.grad
+                denom = v.sqrt() / (1 - beta2**step) ** 0.5 + eps
+                p.sub_(lr / (1 - beta1**step) * m / denom)
+            state[i] = (m.to(torch.bfloat16), v.to(torch.bfloat16))
+    return state
+
+
+def test_bf16_moments_are_kept_in_bf16_and_step_as_adamw_on_them(interpreter):
+    ours, ref = params(), params()
+    opt = build_adam(ours, impl="triton", moments_dtype="bf16", **KW)
+    for step in range(3):
+        regrad(ours, step)
+        opt.step()
+        assert opt._plan is not None and opt._plan.moments_bf16
+    expected = bf16_moments_reference(ref, 3)
+    for p, r, state, (m, v) in zip(ours, ref, opt.state.values(), expected):
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        assert state["exp_avg"].element_size() * state["exp_avg"].numel() == 2 * p.numel()
+        torch.testing.assert_close(p, r, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(state["exp_avg"], m, rtol=0, atol=0)
+        torch.testing.assert_close(state["exp_avg_sq"], v, rtol=0, atol=0)
+
+
+def test_fp32_moments_of_a_checkpoint_are_rounded_to_bf16_and_torchs_step_keeps_them(
+    interpreter, monkeypatch
+):
+    """Moments that arrive in fp32 (a checkpoint of the fp32 step, megatron's dummy state on
+    load) are rounded at the first step; where the kernel does not run, torch's step works on
+    them widened and stores them back in bf16."""
+    ours = params()
+    opt = build_adam(ours, impl="triton", moments_dtype="bf16", **KW)
+    for p in ours:
+        opt.state[p].update(exp_avg=torch.full(p.shape, 0.1), exp_avg_sq=torch.full(p.shape, 0.2))
+    opt.step()
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
+    monkeypatch.setattr(triton_step, "available", lambda device: False)
+    before = [p.detach().clone() for p in ours]
+    regrad(ours, 1)
+    opt.step()
+    assert opt._plan is None or not opt._wrote_model_params
+    assert all(s["exp_avg_sq"].dtype == torch.bfloat16 for s in opt.state.values())
+    assert all(not torch.equal(a, b) for a, b in zip(ours, before))
+
+
+def test_bf16_moments_need_the_one_kernel_step():
+    from tests.unit.conftest import failures
+
+    rule = "adam-moments-dtype-needs-triton"
+    bf16 = ("--adam-moments-dtype", "bf16")
+    assert rule not in failures(tiny_argv("--adam-impl", "triton", *bf16))
+    for impl in ("te", "torch"):
+        message = failures(tiny_argv("--adam-impl", impl, *bf16))[rule]
+        assert f"--adam-impl {impl}" in message and "add --adam-impl triton" in message
+    with pytest.raises(Exception, match="acts only with --adam-impl triton"):
+        build_adam(params(), impl="torch", moments_dtype="bf16", **KW)
