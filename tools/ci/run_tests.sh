@@ -58,6 +58,8 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.venv/inductor-c
 if [ $# -eq 0 ]; then
   .venv/bin/ruff check .
   .venv/bin/ruff format --check .
-  set -- tests/unit
+  # The whole tier in PYTEST_WORKERS processes (pytest-xdist; default 2): most of its time is
+  # subprocesses that import megatron, which two cores run side by side. The slowest tests last.
+  set -- -n "${PYTEST_WORKERS:-2}" --durations=15 tests/unit
 fi
 exec .venv/bin/python -m pytest -q "$@"
