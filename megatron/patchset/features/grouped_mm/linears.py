@@ -54,6 +54,7 @@ from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.core.registry import patch
 from megatron.patchset.features.grouped_mm import accumulate
 from megatron.patchset.features.grouped_mm.flags import ALIGNMENT, FLAG
+from megatron.patchset.features.grouped_mm.tail import zero_tail
 
 _SPEC_PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
 _REASON = (
@@ -125,16 +126,6 @@ def group_offsets(m_splits: Any, device: Any):
     )
     _offsets_cache[device] = (key, offs)
     return offs
-
-
-def zero_tail(t, offs):
-    """``t`` with its rows from ``offs[-1]`` on set to zero, in place (no host read)."""
-    import torch
-
-    if t.shape[0]:
-        rows = torch.arange(t.shape[0], device=t.device)
-        t.masked_fill_((rows >= offs[-1]).unsqueeze(-1), 0)
-    return t
 
 
 def capturing(device) -> bool:
