@@ -11,11 +11,13 @@
 #   GRAPHS=none bash examples/pretrain_moe_small_batch.sh             # the same GEMMs, no graphs
 #   KERNELS=0 bash examples/pretrain_moe_small_batch.sh               # megatron's Adam and loss
 #   NGPUS=2 EP=2 bash examples/pretrain_moe_small_batch.sh            # experts over 2 GPUs
+#   MEMORY=80G MICRO_BATCH=4 bash examples/pretrain_moe_small_batch.sh  # fit an 80 GB H100
 #   DATA_PATH=/data/my_text_document TOKENIZER_MODEL=Qwen/Qwen3-30B-A3B bash ...
 #   DRY_RUN=1 bash examples/pretrain_moe_small_batch.sh               # check the flags, no GPU
 #
 # Every knob is an environment variable with a default: the recipe's knobs (GRAPHS, EP,
-# CAPACITY_FACTOR, OPTIMIZER_GRAPH, KERNELS, DIST_OPT; `python -m megatron.patchset recipe --list`)
+# CAPACITY_FACTOR, OPTIMIZER_GRAPH, KERNELS, DIST_OPT, MEMORY;
+# `python -m megatron.patchset recipe --list`)
 # and the run's: CONFIG, NGPUS, MICRO_BATCH, GLOBAL_BATCH, TRAIN_ITERS. DATA_PATH is megatron's
 # --data-path (a prefix, or a blend "0.3 /data/a 0.7 /data/b"); unset, the config's mock data. With
 # it TOKENIZER_TYPE (default HuggingFaceTokenizer), TOKENIZER_MODEL (default Qwen/Qwen3-30B-A3B) or

@@ -7,6 +7,14 @@ as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer step 
 (``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the Triton cross entropy.
 Megatron's NaN check and its level-1/2 timers synchronise inside the step, so they are off under
 the capture (the fork's rules refuse them otherwise).
+
+``MEMORY=80G`` trades a little speed for the memory an 80 GB H100 lacks at the per-rank shapes of
+docs/benchmarks.md: both Adam moments in bf16 (the one-kernel Adam's ``--adam-moments-dtype bf16``;
+with ``KERNELS=0`` megatron's precision-aware distributed optimizer) and megatron's selective
+recomputation of the experts' activation function, which replays inside the captured backward;
+it also sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where the environment does not
+set it, since without it the caching allocator's reserve on an 80 GB card runs out before the
+allocated peak does.
 """
 
 from megatron.patchset.recipes import recipe as r
@@ -42,7 +50,16 @@ def _build(k) -> r.Built:
             flags += ["--adam-impl", "triton", "--cross-entropy-triton"]
     elif k.graphs == "layer":
         flags += list(_LAYER_GRAPHS)
-    return r.Built(tuple(flags))
+    env = ()
+    if k.memory == "80G":
+        env = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+        flags += ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"]
+        if k.graphs == "full" and k.kernels:
+            flags += ["--adam-moments-dtype", "bf16"]
+        elif k.dist_opt:
+            flags += ["--use-precision-aware-optimizer"]
+            flags += ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    return r.Built(tuple(flags), env)
 
 
 RECIPE = r.Recipe(
@@ -69,6 +86,13 @@ RECIPE = r.Recipe(
             "DIST_OPT",
             False,
             "megatron's distributed optimizer: each data-parallel rank steps its shard",
+        ),
+        r.choice(
+            "MEMORY",
+            "max",
+            ("max", "80G"),
+            "max: no memory levers; 80G: bf16 Adam moments, the experts' activation recomputed "
+            "in the backward, and the allocator's expandable segments",
         ),
     ),
     build=_build,

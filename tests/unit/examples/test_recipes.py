@@ -10,10 +10,14 @@ from megatron.patchset import recipes
 # launcher -> (recipe, knob settings to try besides the defaults, the launcher's own knob defaults
 # that it passes to the recipe)
 LAUNCHERS = {
-    "examples/pretrain_moe_small_batch.sh": ("small_batch", {"EP": "2", "NGPUS": "2"}, {}),
+    "examples/pretrain_moe_small_batch.sh": (
+        "small_batch",
+        {"EP": "2", "NGPUS": "2", "MEMORY": "80G"},
+        {},
+    ),
     "examples/slurm/pretrain_moe_small_batch.sbatch": (
         "small_batch",
-        {"GRAPHS": "layer", "KERNELS": "0"},
+        {"GRAPHS": "layer", "KERNELS": "0", "MEMORY": "80G"},
         {"DIST_OPT": "1"},
     ),
     "examples/pretrain_moe_fsdp_cuda_graphs.sh": ("fsdp_cuda_graphs", {"SCOPES": "attn"}, {}),
@@ -71,7 +75,9 @@ def test_the_check_catches_a_launcher_that_overrides_its_recipe():
     assert recipe_flags_in(flags[1:], flags) == {"--manual-gc": ([], None)}
 
 
-@pytest.mark.parametrize("knobs", [{}, {"EP": "8", "GRAPHS": "full"}, {"GRAPHS": "layer"}])
+@pytest.mark.parametrize(
+    "knobs", [{}, {"EP": "8", "GRAPHS": "full", "MEMORY": "80G"}, {"GRAPHS": "layer"}]
+)
 def test_the_slurm_form_launches_the_local_forms_recipe_flags(knobs, launched_flags):
     local = final_values(
         launched_flags("examples/pretrain_moe_small_batch.sh", DIST_OPT="1", **knobs)

@@ -83,6 +83,39 @@ def test_small_batch_follows_its_knobs():
     assert not {"--adam-impl", "--cross-entropy-triton", "--optimizer-cuda-graph"} & set(plain)
 
 
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        {"DIST_OPT": "1"},
+        {"DIST_OPT": "1", "KERNELS": "0"},
+        {"KERNELS": "0"},
+        {"GRAPHS": "layer", "DIST_OPT": "1"},
+        {"EP": "2", "DIST_OPT": "1"},
+    ],
+)
+def test_small_batch_memory_80g_levers_pass_megatrons_and_the_forks_checks(knobs):
+    import torch
+
+    from tests.unit.conftest import combination_failures, tiny_argv, validated
+
+    built = recipes.get("small_batch")(MEMORY="80G", **knobs)
+    flags = list(built.flags)
+    assert dict(built.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert not recipes.get("small_batch")(**knobs).env
+    assert flags[flags.index("--recompute-modules") + 1] == "moe_act"
+    args = validated(tiny_argv(*flags), world_size=int(knobs.get("EP", 1)))
+    assert args.recompute_granularity == "selective" and args.recompute_modules == ["moe_act"]
+    one_kernel = knobs.get("GRAPHS", "full") == "full" and knobs.get("KERNELS") != "0"
+    moments = torch.bfloat16 if one_kernel or knobs.get("DIST_OPT") == "1" else torch.float32
+    assert (args.adam_moments_dtype == "bf16") == one_kernel
+    assert args.use_precision_aware_optimizer == (not one_kernel and moments == torch.bfloat16)
+    if args.use_precision_aware_optimizer:
+        assert args.exp_avg_dtype == args.exp_avg_sq_dtype == torch.bfloat16
+    assert not combination_failures(tiny_argv(*flags), int(knobs.get("EP", 1)))
+    assert "--recompute-granularity" not in recipes.flags("small_batch", **knobs)
+
+
 def test_the_command_line_prints_flags_env_and_one_line_errors():
     assert cli.main(["small_batch", "EP=4"]) == 0
     env = os.environ | {"PYTHONPATH": ROOT}

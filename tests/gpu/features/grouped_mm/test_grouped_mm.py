@@ -11,7 +11,8 @@
 * ``--moe-expert-splits-on-device``: the same against TE with the token counts left on the GPU, and
   with the whole forward and backward captured as one CUDA graph (``--cuda-graph-impl
   full_iteration``); under ``--deterministic-mode`` the replayed graph equals the eager run bit for
-  bit. Negative control: unpatched megatron-core cannot capture the same step.
+  bit, also with the experts' activation recomputed in the backward (``--recompute-modules
+  moe_act``). Negative control: unpatched megatron-core cannot capture the same step.
 """
 
 import math
@@ -187,6 +188,7 @@ LAYOUTS = {
     "splits_1gpu": (1, PERMUTE_FUSION + NO_NAN_CHECK, TORCH_IMPL + SPLITS),
     "full_graph_1gpu": (1, PERMUTE_FUSION + NO_NAN_CHECK, TORCH_IMPL + SPLITS + FULL_GRAPH),
 }
+RECOMPUTE_MOE_ACT = ("--recompute-granularity", "selective", "--recompute-modules", "moe_act")
 DETERMINISTIC = (
     ("--deterministic-mode", "--te-rng-tracker")
     + PERMUTE_FUSION
@@ -210,6 +212,8 @@ def runs(tmp_path_factory):
         det = tiny_argv("--train-iters", str(ITERS), *NO_DROPOUT, *DETERMINISTIC)
         jobs.append(dict(tmp_path=tmp, name="det_eager", nproc=1, argv=det))
         jobs.append(dict(tmp_path=tmp, name="det_full_graph", nproc=1, argv=det + list(FULL_GRAPH)))
+        recompute = det + list(FULL_GRAPH) + list(RECOMPUTE_MOE_ACT)
+        jobs.append(dict(tmp_path=tmp, name="det_full_graph_recompute", nproc=1, argv=recompute))
     return launch_many(jobs)
 
 
@@ -250,6 +254,23 @@ def test_full_iteration_graph_replays_the_eager_step_bitwise(runs):
     print(
         f"\nfull-iteration graph vs eager, {ITERS} iterations: losses {eager.losses[0]:.6f} -> "
         f"{eager.losses[-1]:.6f}; first difference {first_difference(graphed.losses, eager.losses)}"
+    )
+    assert first_difference(graphed.losses, eager.losses) is None
+    assert first_difference(graphed.grad_norms, eager.grad_norms) is None
+
+
+@pytest.mark.gpus(1)
+def test_the_experts_activation_recomputes_inside_the_full_iteration_graph(runs):
+    """--recompute-modules moe_act (the small_batch recipe's MEMORY=80G): megatron's checkpoint of
+    the experts' activation function replays inside the captured backward, and the recomputed
+    activations are the stored ones: the losses and gradient norms of the eager run, bit for
+    bit."""
+    eager, graphed = runs["det_eager"], runs["det_full_graph_recompute"]
+    assert CAPTURED in graphed.log_text()
+    assert len(graphed.losses) == ITERS
+    print(
+        f"\nmoe_act recomputed in the full-iteration graph vs eager: first difference "
+        f"{first_difference(graphed.losses, eager.losses)}"
     )
     assert first_difference(graphed.losses, eager.losses) is None
     assert first_difference(graphed.grad_norms, eager.grad_norms) is None
