@@ -3,6 +3,8 @@
 
     python tools/bench/profile_step.py --config examples/configs/reference_moe.args --nproc 1 \\
         [--set FLAG=VALUE ...] [--flags "..."] [--upstream] --warmup 5 --out prof-out
+    python tools/bench/profile_step.py --config examples/configs/qwen3_30b_a3b.args \\
+        --recipe "small_batch EP=8 DIST_OPT=1 GRAPHS=none" --emulate 32 --out prof-l1
 
 Trains the config through ``pretrain_gpt.py`` under ``torchrun`` (as ``tools/bench/bench.py`` does,
 with its helpers) for ``--warmup`` + 1 iterations, with ``MEGATRON_PATCHSET_PROFILE`` set so
@@ -16,7 +18,10 @@ per-layer table.
 
 ``--summary FILE`` only prints an existing summary; ``--trace FILE`` re-reduces a trace.
 ``--upstream`` profiles unpatched megatron-core (``MEGATRON_PATCHSET=off``; observe patches
-still apply). A failed run is reported with its cause, as in bench.py.
+still apply). ``--recipe`` adds a named recipe's flags (a baseline recipe such as
+``upstream_best`` implies ``--upstream``), and ``--emulate WORLD_SIZE`` profiles one rank of a
+larger job on this GPU, as bench.py's option of that name does. A failed run is reported with its
+cause, as in bench.py.
 """
 
 from __future__ import annotations
@@ -141,6 +146,28 @@ def main(argv=None) -> int:
         action="store_true",
         help="profile unpatched megatron (MEGATRON_PATCHSET=off).",
     )
+    p.add_argument(
+        "--recipe",
+        type=bench.parse_recipe,
+        default=None,
+        metavar="RECIPE",
+        help="NAME [KNOB=VALUE ...]: a named recipe's flags before --flags (python -m "
+        "megatron.patchset recipe --list); upstream_best profiles unpatched megatron.",
+    )
+    p.add_argument(
+        "--emulate",
+        metavar="WORLD_SIZE",
+        type=argsfile.at_least(2),
+        default=None,
+        help="profile one rank of a WORLD_SIZE-GPU job on this GPU (megatron's "
+        "--fake-process-group; see bench.py --emulate).",
+    )
+    p.add_argument(
+        "--emulate-rank",
+        type=argsfile.at_least(0),
+        default=0,
+        help="with --emulate: the rank this GPU runs. Default: 0.",
+    )
     p.add_argument("--out", default="prof-out", help="output folder. Default: prof-out.")
     p.add_argument(
         "--timeout",
@@ -171,14 +198,27 @@ def main(argv=None) -> int:
     if opts.warmup < 0:
         p.error("--warmup must be >= 0")
 
+    if opts.emulate is not None and (opts.nproc != 1 or opts.emulate_rank >= opts.emulate):
+        p.error("--emulate runs one process (--nproc 1) as a rank below WORLD_SIZE")
+    env: dict = {}
+    flags = opts.flags
+    if opts.recipe is not None:
+        label, words = opts.recipe
+        recipe_env, recipe_flags = bench.split_env(words)
+        env.update(recipe_env)
+        flags = shlex.join(recipe_flags) + (" " + flags if flags else "")
+        opts.upstream = opts.upstream or label.startswith("upstream")
+    if opts.emulate is not None:
+        flags += " --fake-process-group"
+
     iteration = opts.warmup + 1
     out = os.path.abspath(opts.out)
     os.makedirs(out, exist_ok=True)
     summary_path = os.path.join(out, "summary.json")
     if os.path.exists(summary_path):
         os.remove(summary_path)
-    train_argv = build_argv(opts.config, opts.set, opts.flags, iteration)
-    env = {profile.PROFILE_ENV: f"{out}:{iteration}"}
+    train_argv = build_argv(opts.config, opts.set, flags, iteration)
+    env[profile.PROFILE_ENV] = f"{out}:{iteration}"
     if opts.upstream:
         env["MEGATRON_PATCHSET"] = "off"
     entry = [os.path.join(ROOT, "pretrain_gpt.py")]
@@ -187,8 +227,9 @@ def main(argv=None) -> int:
         "...",
         flush=True,
     )
+    emulate = None if opts.emulate is None else (opts.emulate, opts.emulate_rank)
     code, metrics, log = bench.run_variant(
-        "profile", entry + train_argv, env, opts.nproc, out, opts.timeout
+        "profile", entry + train_argv, env, opts.nproc, out, opts.timeout, emulate=emulate
     )
     if code != 0 or not os.path.exists(summary_path):
         summary_state = "present" if os.path.exists(summary_path) else "missing"
@@ -201,8 +242,9 @@ def main(argv=None) -> int:
         "config": opts.config,
         "nproc": opts.nproc,
         "overrides": [[f, v] for f, v in opts.set],
-        "flags": opts.flags,
+        "flags": flags,
         "upstream": opts.upstream,
+        **({"emulated_world": opts.emulate, "emulated_rank": opts.emulate_rank} if emulate else {}),
         "facts": bench.device_facts(),
         **extra,
     }

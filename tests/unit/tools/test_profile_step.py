@@ -46,3 +46,28 @@ def test_markdown_report_lists_every_category_and_the_step_facts():
     assert "GPU busy: 0.29 ms, idle: 0.81 ms" in text
     assert "kernel launches: 4" in text and "device-to-host syncs: 1" in text
     assert any(line.startswith("| 1 ") for line in lines)  # per-layer table
+
+
+def test_recipe_and_emulation_reach_the_profiled_run(monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def fake_run(name, argv, env, nproc, out, timeout, emulate=None):
+        seen.update(argv=argv, env=env, emulate=emulate)
+        return 1, str(tmp_path / "metrics.jsonl"), str(tmp_path / "log.txt")
+
+    (tmp_path / "log.txt").write_text("RuntimeError: no GPU\n")
+    monkeypatch.setattr(profile_step.bench, "run_variant", fake_run)
+    config = os.path.join(ROOT, "examples", "configs", "tiny_moe.args")
+    code = profile_step.main(
+        ["--config", config, "--recipe", "upstream_best EP=2", "--emulate", "8"]
+        + ["--emulate-rank", "3", "--flags", "--num-layers 2", "--out", str(tmp_path)]
+    )
+    assert code == 1 and seen["emulate"] == (8, 3)
+    argv = seen["argv"]
+    assert argv[argv.index("--expert-model-parallel-size") + 1] == "2"
+    assert "--fake-process-group" in argv and argv[argv.index("--num-layers") + 1] == "2"
+    # upstream_best is upstream's flags: profiled unpatched
+    assert seen["env"]["MEGATRON_PATCHSET"] == "off"
+    with pytest.raises(SystemExit):
+        profile_step.main(["--config", config, "--emulate", "8", "--emulate-rank", "8"])
+    assert "--emulate" in capsys.readouterr().err
