@@ -30,7 +30,7 @@ FEATURE = Feature(
     enabled=flags.requested,
     upstream_pr="fork-only (megatron-core 0.19.2's static-shape dispatch is the flex "
     "dispatcher's HybridEP / NCCL EP budget, tested on Blackwell)",
-    status="not yet verified on 2 GPUs",
+    status="experimental",
     modules=(f"{__name__}.rules", f"{__name__}.dispatcher", f"{__name__}.runner"),
     flags=(flags.FLAG, flags.FACTOR_FLAG, flags.OVERFLOW_FLAG),
     add_arguments=flags.add_arguments,
