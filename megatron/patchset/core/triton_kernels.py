@@ -16,3 +16,12 @@ def triton_runs_on(device) -> bool:
     except ImportError:
         return False
     return True
+
+
+def row_block(row_len: int) -> tuple[int, int]:
+    """(rows, columns) of one program of a row kernel over rows of ``row_len`` elements: up to
+    2048 columns, about 4096 elements per program."""
+    import triton
+
+    block = min(2048, triton.next_power_of_2(max(row_len, 1)))
+    return max(1, 4096 // block), block

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from megatron.patchset.core.triton_kernels import triton_runs_on
+from megatron.patchset.core.triton_kernels import row_block, triton_runs_on
 
 
 @functools.cache
@@ -35,14 +35,6 @@ def _kernel():
     return zero_tail_kernel
 
 
-def shape(row_len: int) -> tuple[int, int]:
-    """(rows, columns) of one program's block: up to 2048 columns, about 4096 elements."""
-    import triton
-
-    block = min(2048, triton.next_power_of_2(max(row_len, 1)))
-    return max(1, 4096 // block), block
-
-
 def zero_tail(t, offs):
     """``t`` with its rows from ``offs[-1]`` on set to zero, in place (no host read)."""
     if not t.shape[0]:
@@ -51,7 +43,7 @@ def zero_tail(t, offs):
         import triton
 
         row_len = t[0].numel()
-        rows, block = shape(row_len)
+        rows, block = row_block(row_len)
         grid = (triton.cdiv(t.shape[0], rows), triton.cdiv(row_len, block))
         _kernel()[grid](t, offs, offs.numel(), t.shape[0], row_len, ROWS=rows, BLOCK=block)
         return t

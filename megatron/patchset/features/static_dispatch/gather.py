@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from megatron.patchset.core.triton_kernels import triton_runs_on
+from megatron.patchset.core.triton_kernels import row_block, triton_runs_on
 
 
 @functools.cache
@@ -43,14 +43,6 @@ def _kernel():
     return gather_rows_kernel
 
 
-def _block(row_len: int) -> tuple[int, int]:
-    """(rows, columns) of one program: up to 2048 columns, about 4096 elements."""
-    import triton
-
-    block = min(2048, triton.next_power_of_2(max(row_len, 1)))
-    return max(1, 4096 // block), block
-
-
 def _gather_rows(src, index):
     """``src[index]`` with zero rows where ``index`` is out of range."""
     rows = src.shape[0]
@@ -62,7 +54,7 @@ def _gather_rows(src, index):
         out = src.new_empty((index.shape[0], *src.shape[1:]))
         row_len = src[0].numel()
         if out.numel():
-            per, block = _block(row_len)
+            per, block = row_block(row_len)
             grid = (triton.cdiv(index.shape[0], per), triton.cdiv(row_len, block))
             _kernel()[grid](out, src, index, index.shape[0], rows, row_len, ROWS=per, BLOCK=block)
         return out
