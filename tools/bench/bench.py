@@ -283,6 +283,34 @@ def emulation_env(world_size: int, rank: int) -> dict:
     }
 
 
+def add_emulation_arguments(p: argparse.ArgumentParser, help: str) -> None:
+    """``--emulate WORLD_SIZE`` and ``--emulate-rank``, for bench.py and profile_step.py."""
+    p.add_argument(
+        "--emulate", metavar="WORLD_SIZE", type=argsfile.at_least(2), default=None, help=help
+    )
+    p.add_argument(
+        "--emulate-rank",
+        type=argsfile.at_least(0),
+        default=0,
+        help="with --emulate: the rank this GPU runs. Default: 0.",
+    )
+
+
+def check_emulation(p: argparse.ArgumentParser, opts) -> None:
+    """An emulated rank is one process, of a rank below the world size."""
+    if opts.emulate is None:
+        return
+    if opts.nproc != 1:
+        p.error("--emulate runs one process: --nproc must be 1")
+    if opts.emulate_rank >= opts.emulate:
+        p.error(f"--emulate-rank must be below --emulate {opts.emulate}")
+
+
+def emulation(opts) -> tuple[int, int] | None:
+    """``(world size, rank)`` of ``--emulate``, or None."""
+    return None if opts.emulate is None else (opts.emulate, opts.emulate_rank)
+
+
 def run_variant(
     name,
     entry_argv,
@@ -758,22 +786,13 @@ def build_parser() -> argparse.ArgumentParser:
         "ones; e.g. --recipe upstream_best --recipe 'small_batch EP=8'. A baseline recipe "
         "(upstream_best) runs unpatched as 'upstream-best'.",
     )
-    p.add_argument(
-        "--emulate",
-        metavar="WORLD_SIZE",
-        type=argsfile.at_least(2),
-        default=None,
-        help="run every variant as one rank of a WORLD_SIZE-GPU job on this one GPU: megatron's "
+    add_emulation_arguments(
+        p,
+        "run every variant as one rank of a WORLD_SIZE-GPU job on this one GPU: megatron's "
         "--fake-process-group with WORLD_SIZE and RANK set, every collective skipped and the "
         "expert-parallel exchanges stood in by the rank's own routing (megatron/patchset/core/"
         "emulation.py). The tables add tokens/s per GPU and the communication the emulation "
         "skipped, as predicted by tools/bench/comm_model.py.",
-    )
-    p.add_argument(
-        "--emulate-rank",
-        type=argsfile.at_least(0),
-        default=0,
-        help="with --emulate: the rank this GPU runs. Default: 0.",
     )
     comm_model.add_arguments(p)
     p.add_argument(
@@ -918,11 +937,8 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
             record.refuse_existing(opts.record_dir, today(), opts.record, opts.record_overwrite)
         except record.RecordError as exc:
             p.error(str(exc))
+    check_emulation(p, opts)
     if opts.emulate is not None:
-        if opts.nproc != 1:
-            p.error("--emulate runs one process: --nproc must be 1")
-        if opts.emulate_rank >= opts.emulate:
-            p.error(f"--emulate-rank must be below --emulate {opts.emulate}")
         peers = [name for name, _ in opts.variant if peer_runner(name)]
         if peers:
             p.error(f"--emulate runs megatron variants only, not {', '.join(peers)}")
@@ -1022,7 +1038,7 @@ def run_planned(run: Planned, opts: argparse.Namespace, peak: float | None) -> d
             opts.out,
             opts.timeout,
             opts.numa_binding,
-            emulate=None if opts.emulate is None else (opts.emulate, opts.emulate_rank),
+            emulate=emulation(opts),
         )
     row = {
         "variant": run.label,

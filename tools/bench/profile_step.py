@@ -154,19 +154,10 @@ def main(argv=None) -> int:
         help="NAME [KNOB=VALUE ...]: a named recipe's flags before --flags (python -m "
         "megatron.patchset recipe --list); upstream_best profiles unpatched megatron.",
     )
-    p.add_argument(
-        "--emulate",
-        metavar="WORLD_SIZE",
-        type=argsfile.at_least(2),
-        default=None,
-        help="profile one rank of a WORLD_SIZE-GPU job on this GPU (megatron's "
-        "--fake-process-group; see bench.py --emulate).",
-    )
-    p.add_argument(
-        "--emulate-rank",
-        type=argsfile.at_least(0),
-        default=0,
-        help="with --emulate: the rank this GPU runs. Default: 0.",
+    bench.add_emulation_arguments(
+        p,
+        "profile one rank of a WORLD_SIZE-GPU job on this GPU (megatron's --fake-process-group; "
+        "see bench.py --emulate).",
     )
     p.add_argument("--out", default="prof-out", help="output folder. Default: prof-out.")
     p.add_argument(
@@ -198,8 +189,7 @@ def main(argv=None) -> int:
     if opts.warmup < 0:
         p.error("--warmup must be >= 0")
 
-    if opts.emulate is not None and (opts.nproc != 1 or opts.emulate_rank >= opts.emulate):
-        p.error("--emulate runs one process (--nproc 1) as a rank below WORLD_SIZE")
+    bench.check_emulation(p, opts)
     env: dict = {}
     flags = opts.flags
     if opts.recipe is not None:
@@ -207,7 +197,7 @@ def main(argv=None) -> int:
         recipe_env, recipe_flags = bench.split_env(words)
         env.update(recipe_env)
         flags = shlex.join(recipe_flags) + (" " + flags if flags else "")
-        opts.upstream = opts.upstream or label.startswith("upstream")
+        opts.upstream = opts.upstream or bench.is_upstream(label, recipe_flags)
     if opts.emulate is not None:
         flags += " --fake-process-group"
 
@@ -227,7 +217,7 @@ def main(argv=None) -> int:
         "...",
         flush=True,
     )
-    emulate = None if opts.emulate is None else (opts.emulate, opts.emulate_rank)
+    emulate = bench.emulation(opts)
     code, metrics, log = bench.run_variant(
         "profile", entry + train_argv, env, opts.nproc, out, opts.timeout, emulate=emulate
     )

@@ -39,7 +39,7 @@ def zero_tail(t, offs):
     """``t`` with its rows from ``offs[-1]`` on set to zero, in place (no host read)."""
     if not t.shape[0]:
         return t
-    if triton_runs_on(t.device) and t.is_contiguous() and t.dim() >= 1:
+    if triton_runs_on(t.device) and t.is_contiguous():
         import triton
 
         row_len = t[0].numel()
