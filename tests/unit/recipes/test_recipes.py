@@ -116,35 +116,28 @@ def test_small_batch_memory_80g_levers_pass_megatrons_and_the_forks_checks(knobs
     assert "--recompute-granularity" not in recipes.flags("small_batch", **knobs)
 
 
+def recipe_command(*words):
+    """``python -m megatron.patchset recipe WORDS`` in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "megatron.patchset", "recipe", *words],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ | {"PYTHONPATH": ROOT},
+    )
+
+
 def test_the_command_line_prints_flags_env_and_one_line_errors():
     assert cli.main(["small_batch", "EP=4"]) == 0
-    env = os.environ | {"PYTHONPATH": ROOT}
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron.patchset", "recipe", "small_batch", "EP=4"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        check=True,
-    ).stdout
-    assert shlex.split(out) == recipes.flags("small_batch", EP=4)
-    lines = subprocess.run(
-        [sys.executable, "-m", "megatron.patchset", "recipe", "--lines", "fsdp_cuda_graphs"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        check=True,
-    ).stdout.splitlines()
+    out = recipe_command("small_batch", "EP=4")
+    assert out.returncode == 0
+    assert shlex.split(out.stdout) == recipes.flags("small_batch", EP=4)
+    lines = recipe_command("--lines", "fsdp_cuda_graphs")
+    assert lines.returncode == 0
+    lines = lines.stdout.splitlines()
     assert lines[0] == "env CUDA_DEVICE_MAX_CONNECTIONS=8"
     assert lines[1:] == recipes.flags("fsdp_cuda_graphs")
-    bad = subprocess.run(
-        [sys.executable, "-m", "megatron.patchset", "recipe", "small_batch", "GRAPHS=foo"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
+    bad = recipe_command("small_batch", "GRAPHS=foo")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr == "GRAPHS must be full, layer or none (got 'foo')\n"
 
