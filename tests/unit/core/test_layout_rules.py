@@ -337,3 +337,16 @@ def test_save_needs_save_interval(tmp_path):
     assert "save-needs-save-interval" not in failures(
         tiny_argv("--save", str(tmp_path), "--save-interval", "10")
     )
+
+
+def test_optimizer_graph_needs_one_norm_group():
+    """EP 2 without the distributed optimizer: two norm groups summed on the host, refused under
+    --optimizer-cuda-graph; the distributed optimizer or EP 1 is accepted."""
+    graph = ("--optimizer-cuda-graph", "--expert-model-parallel-size", "2")
+    got = failures(tiny_argv(*graph), 2)
+    message = got["optimizer-graph-needs-one-norm-group"]
+    assert "--expert-model-parallel-size 2" in message and "--use-distributed-optimizer" in message
+    name = "optimizer-graph-needs-one-norm-group"
+    assert name not in failures(tiny_argv(*graph, "--use-distributed-optimizer"), 2)
+    assert name not in failures(tiny_argv("--optimizer-cuda-graph"), 1)
+    assert name not in failures(tiny_argv("--expert-model-parallel-size", "2"), 2)

@@ -133,3 +133,37 @@ def _global_batch_divisible(args):
             f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}."
         )
     return None
+
+
+@rule(
+    "optimizer-graph-needs-one-norm-group",
+    phase="layout",
+    flags=(
+        "--optimizer-cuda-graph",
+        "--use-distributed-optimizer",
+        "--expert-model-parallel-size",
+        "--expert-tensor-parallel-size",
+        "--tensor-model-parallel-size",
+    ),
+)
+def _optimizer_graph_norm_group(args):
+    """Without the distributed optimizer, megatron's dense and expert optimizers reduce their
+    gradient norms over different model-parallel groups once ETP x EP differs from TP, and the
+    chained optimizer then adds the two norms on the host (a device-to-host read that a CUDA graph
+    cannot capture): --optimizer-cuda-graph fails at its capture."""
+    if not getattr(args, "optimizer_cuda_graph", False):
+        return None
+    if getattr(args, "use_distributed_optimizer", False) or not getattr(args, "num_experts", None):
+        return None
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        return None
+    ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
+    if ep * etp(args) == tp:
+        return None
+    return (
+        f"--optimizer-cuda-graph with --expert-model-parallel-size {ep} x "
+        f"--expert-tensor-parallel-size {etp(args)} != --tensor-model-parallel-size {tp} and "
+        "without --use-distributed-optimizer: the dense and expert gradient norms are reduced "
+        "over different groups and summed on the host, which the optimizer's CUDA graph cannot "
+        "capture. Add --use-distributed-optimizer or drop --optimizer-cuda-graph."
+    )
