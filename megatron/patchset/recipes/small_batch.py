@@ -8,13 +8,14 @@ as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer step 
 Megatron's NaN check and its level-1/2 timers synchronise inside the step, so they are off under
 the capture (the fork's rules refuse them otherwise).
 
-``MEMORY=80G`` trades a little speed for the memory an 80 GB H100 lacks at the per-rank shapes of
-docs/benchmarks.md: both Adam moments in bf16 (the one-kernel Adam's ``--adam-moments-dtype bf16``;
-with ``KERNELS=0`` megatron's precision-aware distributed optimizer) and megatron's selective
-recomputation of the experts' activation function, which replays inside the captured backward;
-it also sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where the environment does not
-set it, since without it the caching allocator's reserve on an 80 GB card runs out before the
-allocated peak does.
+``MEMORY=moments`` and ``MEMORY=80G`` trade a little speed for the memory an 80 GB H100 lacks at
+the per-rank shapes of docs/benchmarks.md. ``moments`` keeps both Adam moments in bf16 (the
+one-kernel Adam's ``--adam-moments-dtype bf16``; with ``KERNELS=0`` megatron's precision-aware
+distributed optimizer); ``80G`` adds megatron's selective recomputation of the experts' activation
+function, which replays inside the captured backward. Both set
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where the environment does not set it, since
+without it the caching allocator's reserve on an 80 GB card runs out before the allocated peak
+does.
 """
 
 from megatron.patchset.recipes import recipe as r
@@ -31,10 +32,19 @@ _LAYER_GRAPHS = (
 )
 
 
+def _dist_opt(k) -> bool:
+    """DIST_OPT=auto: the distributed optimizer where the optimizer graph needs it (EP > 1, where
+    megatron's dense and expert optimizers would otherwise sum their norms on the host)."""
+    if k.dist_opt == "auto":
+        return k.ep > 1 and k.graphs == "full" and k.optimizer_graph
+    return k.dist_opt == "1"
+
+
 def _build(k) -> r.Built:
     flags = ["--manual-gc", "--cross-entropy-loss-fusion"]
     flags += ["--expert-model-parallel-size", str(k.ep), "--moe-grouped-gemm-impl", "torch"]
-    if k.dist_opt:
+    dist_opt = _dist_opt(k)
+    if dist_opt:
         flags += ["--use-distributed-optimizer"]
     if k.graphs == "full":
         # the counts stay on the device; megatron's unfused permutation would read them on the host
@@ -51,12 +61,13 @@ def _build(k) -> r.Built:
     elif k.graphs == "layer":
         flags += list(_LAYER_GRAPHS)
     env = ()
-    if k.memory == "80G":
+    if k.memory != "max":
         env = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
-        flags += ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"]
+        if k.memory == "80G":
+            flags += ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"]
         if k.graphs == "full" and k.kernels:
             flags += ["--adam-moments-dtype", "bf16"]
-        elif k.dist_opt:
+        elif dist_opt:
             flags += ["--use-precision-aware-optimizer"]
             flags += ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
     return r.Built(tuple(flags), env)
@@ -82,17 +93,19 @@ RECIPE = r.Recipe(
             True,
             "the one-kernel Adam and the Triton cross entropy (GRAPHS=full)",
         ),
-        r.switch(
+        r.choice(
             "DIST_OPT",
-            False,
-            "megatron's distributed optimizer: each data-parallel rank steps its shard",
+            "auto",
+            ("auto", "0", "1"),
+            "megatron's distributed optimizer: each data-parallel rank steps its shard; auto: on "
+            "at EP > 1 with the optimizer graph (GRAPHS=full), which needs it there",
         ),
         r.choice(
             "MEMORY",
             "max",
-            ("max", "80G"),
-            "max: no memory levers; 80G: bf16 Adam moments, the experts' activation recomputed "
-            "in the backward, and the allocator's expandable segments",
+            ("max", "moments", "80G"),
+            "max: no memory levers; moments: bf16 Adam moments and the allocator's expandable "
+            "segments; 80G: those and the experts' activation recomputed in the backward",
         ),
     ),
     build=_build,

@@ -116,6 +116,36 @@ def test_small_batch_memory_80g_levers_pass_megatrons_and_the_forks_checks(knobs
     assert "--recompute-granularity" not in recipes.flags("small_batch", **knobs)
 
 
+def test_small_batch_dist_opt_auto_shards_where_the_optimizer_graph_needs_it():
+    """DIST_OPT=auto: the distributed optimizer at EP > 1 with the optimizer graph, where the layout
+    rule refuses the unsharded one; not at EP 1 nor without the optimizer graph; 0 and 1 win."""
+    from tests.unit.conftest import failures, tiny_argv
+
+    def sharded(**knobs):
+        return "--use-distributed-optimizer" in recipes.flags("small_batch", **knobs)
+
+    assert sharded(EP=2) and sharded(EP=8, GRAPHS="full")
+    assert (
+        not sharded() and not sharded(EP=2, OPTIMIZER_GRAPH=0) and not sharded(EP=2, GRAPHS="layer")
+    )
+    assert sharded(DIST_OPT=1) and not sharded(EP=2, DIST_OPT=0)
+    rule = "optimizer-graph-needs-one-norm-group"
+    assert rule not in failures(tiny_argv(*recipes.flags("small_batch", EP=2)), 2)
+    assert rule in failures(tiny_argv(*recipes.flags("small_batch", EP=2, DIST_OPT=0)), 2)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"EP": "2"}, {"KERNELS": "0", "DIST_OPT": "1"}])
+def test_small_batch_memory_moments_keeps_the_activations(knobs):
+    """MEMORY=moments: the bf16 moments and expandable segments of 80G, no recomputation."""
+    moments = recipes.get("small_batch")(MEMORY="moments", **knobs)
+    full = recipes.get("small_batch")(MEMORY="80G", **knobs)
+    assert moments.env == full.env == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+    assert "--recompute-granularity" not in moments.flags
+    dropped = ("--recompute-granularity", "selective", "--recompute-modules", "moe_act")
+    assert [f for f in full.flags if f not in dropped] == list(moments.flags)
+    assert {"--adam-moments-dtype", "--exp-avg-dtype"} & set(moments.flags)
+
+
 def recipe_command(*words):
     """``python -m megatron.patchset recipe WORDS`` in a fresh interpreter."""
     return subprocess.run(
