@@ -20,17 +20,23 @@ optimizer from the same seed and says what it does:
   ``sharding`` is the distributed optimizer's ``distrib_optim_sharding_type``); ``save``:
   ``{sharding: folder}``, written after training;
 * ``state_after``: the iteration (``start`` for right after the load) after which rank 0 writes
-  the full fp32 main parameters and moments to ``<out>.<name>.pt``;
+  the full main parameters and moments to ``<out>.<name>.pt``, each in the dtype its optimizer
+  keeps it in;
 * ``revert``: patch names left out after ``registry.apply``;
 * ``ep``: the expert-parallel size (default 1); ``bf16``: bf16 model parameters;
-* ``interpret``: Triton's interpreter on (``TRITON_INTERPRET=1``).
+* ``moments``: ``--adam-moments-dtype`` (default fp32);
+* ``interpret``: Triton's interpreter on (``TRITON_INTERPRET=1``); ``block``: the one-kernel
+  step's block (elements per program, default ``triton_step.BLOCK``). The interpreter runs each
+  program in Python, so a larger block steps in fewer of them; the update is element-wise and
+  masked at each tensor's end, the same for any block.
 
 Each rank writes ``<out>.rank<r>.json``: per phase the patches applied, the inner optimizers
 (class, fused), per iteration the loss, the gradient norm and the steps its Adams hold, the clip
-scale each step read, after a load the steps the checkpoint's parameter groups carried and the
-steps loaded; whether the one-kernel step ran, and with bf16 parameters whether DDP's bf16 shards
-equal their fp32 main shards rounded, whether megatron's copy found them written and the
-``torch._foreach_copy_`` calls; ``error``: what a phase raised.
+scale each step read, after a load the steps the checkpoint's parameter groups carried, the
+steps loaded and the dtypes of the moments loaded (``loaded_dtypes``), the dtypes of the moments
+after the last iteration (``dtypes``); whether the one-kernel step ran, and with bf16 parameters
+whether DDP's bf16 shards equal their fp32 main shards rounded, whether megatron's copy found
+them written and the ``torch._foreach_copy_`` calls; ``error``: what a phase raised.
 """
 
 import copy
@@ -122,14 +128,33 @@ def _steps(optimizer):
     ]
 
 
+def _state_dtypes(optimizer):
+    """{exp_avg, exp_avg_sq: the dtypes (distinct, sorted names) of that moment over the inner
+    Adam's parameters}, per distributed optimizer."""
+    return [
+        {
+            key: sorted({str(s[key].dtype) for s in opt.optimizer.state.values() if key in s})
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+        for opt in _distributed_optimizers(optimizer)
+    ]
+
+
 def _full_state(optimizer, model, torch):
     """{name: {param, exp_avg, exp_avg_sq}} of every parameter: each rank fills the range of the
     flattened parameter its shard holds, summed over the optimizer's data-parallel group (each
-    element is held by one rank)."""
+    element is held by one rank). Each tensor is then in the dtype this rank keeps it in (the
+    sum is in fp32, exact for bf16 values); fp32 where this rank holds nothing of the
+    optimizer."""
     names = {param: name for name, param in model.named_parameters()}
     full = {}
     for opt in _distributed_optimizers(optimizer):
         every = [param for buffer in opt.buffers for param in buffer.param_index_map]
+        kept = {}
+        for param in opt.model_param_gbuf_map:
+            for key, value in opt._get_main_param_and_optimizer_states(param).items():
+                kept.setdefault(key, set()).add(value.dtype)
+        assert all(len(dtypes) == 1 for dtypes in kept.values()), kept
         for param in sorted(every, key=lambda p: names[p]):
             tensors = {
                 key: torch.zeros(param.numel(), dtype=torch.float32)
@@ -142,7 +167,8 @@ def _full_state(optimizer, model, torch):
                     value[shard.start : shard.end] = local[key].detach().float()
             for key, value in tensors.items():
                 torch.distributed.all_reduce(value, group=opt.data_parallel_group)
-                tensors[key] = value.view(param.shape)
+                dtype = next(iter(kept.get(key, {torch.float32})))
+                tensors[key] = value.view(param.shape).to(dtype)
             full[names[param]] = tensors
     return full
 
@@ -206,11 +232,13 @@ def _load(folder, sharding, model, optimizer, dist_checkpointing, torch, record)
 
 
 def _phase_args(args, phase, torch):
-    """The parsed arguments with the phase's ``--adam-impl``, expert-parallel size and, for a
-    bf16 phase, what megatron's validation derives from ``--bf16``."""
+    """The parsed arguments with the phase's ``--adam-impl``, expert-parallel size,
+    ``--adam-moments-dtype`` and, for a bf16 phase, what megatron's validation derives from
+    ``--bf16``."""
     phase_args = copy.copy(args)
     phase_args.adam_impl = "te" if phase["impl"] == "megatron" else phase["impl"]
     phase_args.expert_model_parallel_size = phase.get("ep", args.expert_model_parallel_size)
+    phase_args.adam_moments_dtype = phase.get("moments", "fp32")
     if phase.get("bf16"):
         phase_args.bf16 = True
         phase_args.params_dtype = torch.bfloat16
@@ -297,6 +325,10 @@ def _phase(phase, args, out, torch, m):
         _as_on_a_te_machine(patcher)
     if phase.get("interpret"):
         patcher.setenv("TRITON_INTERPRET", "1")
+    if phase.get("block"):
+        patcher.setattr(triton_step, "BLOCK", phase["block"])
+    # the Adam factory reads --adam-moments-dtype from megatron's global arguments
+    patcher.setattr(args, "adam_moments_dtype", phase_args.adam_moments_dtype)
     triton_step._kernel.cache_clear()
     state_path = f"{out}.{phase['name']}.pt"
     try:
@@ -315,6 +347,7 @@ def _phase(phase, args, out, torch, m):
             folder, sharding = phase["load"]
             _load(folder, sharding, gpt, optimizer, m.dist_checkpointing, torch, record)
             record["loaded_steps"] = _steps(optimizer)
+            record["loaded_dtypes"] = _state_dtypes(optimizer)
             if phase.get("state_after") == start:
                 _dump_state(optimizer, gpt, state_path, torch)
         train, _, _ = m.pretrain_gpt.train_valid_test_datasets_provider([64, 0, 0])
@@ -334,6 +367,7 @@ def _phase(phase, args, out, torch, m):
             record["steps"].append(_steps(optimizer))
             if phase.get("state_after") == iteration:
                 _dump_state(optimizer, gpt, state_path, torch)
+        record["dtypes"] = _state_dtypes(optimizer)
         record["kernel"] = [
             getattr(o.optimizer, "_plan", None) is not None
             for o in _distributed_optimizers(optimizer)

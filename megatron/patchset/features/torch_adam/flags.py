@@ -57,6 +57,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="With --adam-impl triton: the dtype Adam's two moments (exp_avg, exp_avg_sq) are "
         "kept in. bf16 keeps 4 bytes per parameter less and the kernel moves 22 bytes per "
         "parameter instead of 30; the update is computed in fp32 and the moments are rounded "
-        "to nearest even as they are stored. A checkpoint holds them in bf16; fp32 moments "
-        "loaded from one are rounded at the first step. Default: fp32.",
+        "to nearest even as they are stored. megatron's distributed checkpoint holds them in "
+        "bf16 (dp_reshardable) or in fp32 (fully_reshardable, gathered in fp32: the same "
+        "values); they load in bf16, fp32 moments of a checkpoint rounded to nearest even as "
+        "they load. Default: fp32.",
     )

@@ -374,6 +374,21 @@ class TritonStep:
         self._wrote_model_params = True
         return loss
 
+    def load_state_dict(self, state_dict) -> None:
+        """torch's load, with the moments kept in ``moments_dtype``. torch casts every floating
+        state tensor but the step to its parameter's dtype (fp32) as it loads it; the moments
+        are cast back (fp32 moments of a checkpoint rounded to nearest even, bf16 ones
+        unchanged). megatron's distributed optimizer loads the state in place of tensors it
+        gets from this load, so its checkpoint's moments also arrive in ``moments_dtype``."""
+        super().load_state_dict(state_dict)
+        if self.moments_dtype == torch.float32:
+            return
+        for state in self.state.values():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                value = state.get(moment)
+                if isinstance(value, torch.Tensor) and value.dtype != self.moments_dtype:
+                    state[moment] = value.to(self.moments_dtype)
+
     def _torch_step(self, closure=None):
         """torch's own step (where the kernel does not run); it takes fp32 moments, so bf16 ones
         are widened for it and rounded back (to nearest even, as the kernel does) after it."""

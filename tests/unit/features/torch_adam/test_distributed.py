@@ -2,7 +2,9 @@
 DistributedDataParallel and DistributedOptimizer (gloo, 2 and 4 data-parallel ranks) around the
 tiny MoE GPT, against megatron's own Adam; a resume from megatron's distributed checkpoint at the
 same size, with and without the patches that carry the step; a checkpoint of 2 ranks loaded at
-4; and the bf16 shards the one-kernel step writes (Triton's interpreter). The worker is
+4; the bf16 shards the one-kernel step writes (Triton's interpreter); and its bf16 moments
+(``--adam-moments-dtype bf16``) through megatron's distributed checkpoint, resumed at 2 ranks and
+loaded at 4. The worker is
 tests/unit/support/cpu_distributed_optimizer.py; each spawn runs several phases in one process
 group."""
 
@@ -27,6 +29,15 @@ TRITON = importlib.util.find_spec("triton") is not None
 # them.
 LOSS_RTOL = 1e-6
 STATE_TOL = dict(rtol=2e-6, atol=1e-7)
+# --adam-impl triton --adam-moments-dtype bf16 with bf16 parameters, under Triton's interpreter,
+# in programs of 16384 elements: a few dozen programs per rank step the tiny model (the kernel's
+# block of 512 takes several hundred, several seconds a step).
+MOMENTS_BF16 = dict(impl="triton", bf16=True, moments="bf16", interpret=True, block=16384)
+SHARDINGS = ["dp_reshardable", "fully_reshardable"]
+
+
+def moments_bf16_checkpoint(checkpoints, sharding):
+    return str(checkpoints / f"moments_bf16_{sharding}")
 
 
 class Run:
@@ -39,7 +50,8 @@ class Run:
         return self.records[phase]
 
     def state(self, phase):
-        """{name: {param, exp_avg, exp_avg_sq}}, full fp32 tensors, as the phase dumped them."""
+        """{name: {param, exp_avg, exp_avg_sq}}, full tensors in the dtypes the optimizer keeps
+        them in, as the phase dumped them."""
         return torch.load(f"{self.out}.{phase}.pt")
 
 
@@ -70,7 +82,9 @@ def checkpoints(tmp_path_factory):
 def dp2(tmp_path_factory, checkpoints):
     """Two ranks: megatron's Adam and --adam-impl torch over N iterations (the state dumped after
     the first); K iterations saved in two formats, with and without the step patches; one bf16
-    step of megatron's Adam, torch and triton (under Triton's interpreter)."""
+    step of megatron's Adam, torch and triton (under Triton's interpreter); triton with bf16
+    moments over N iterations (the state dumped after the last), and over K saved in both
+    formats."""
     bf16 = [
         dict(name="bf16_megatron", impl="megatron", stop=1, state_after=1, bf16=True),
         dict(name="bf16_torch", impl="torch", stop=1, state_after=1, bf16=True),
@@ -81,6 +95,16 @@ def dp2(tmp_path_factory, checkpoints):
                 name="bf16_triton", impl="triton", stop=1, state_after=1, bf16=True, interpret=True
             )
         )
+        bf16 += [
+            dict(name="moments_bf16", stop=N, state_after=N, **MOMENTS_BF16),
+            dict(
+                name="moments_bf16_save",
+                stop=K,
+                state_after=K,
+                save={s: moments_bf16_checkpoint(checkpoints, s) for s in SHARDINGS},
+                **MOMENTS_BF16,
+            ),
+        ]
     return spawn(
         tmp_path_factory.mktemp("dp2"),
         2,
@@ -111,7 +135,8 @@ def dp2(tmp_path_factory, checkpoints):
 
 @pytest.fixture(scope="module")
 def dp2_resumed(tmp_path_factory, dp2, checkpoints):
-    """Two fresh ranks: each of dp2's checkpoints loaded, iterations K+1..N."""
+    """Two fresh ranks: each of dp2's checkpoints loaded, iterations K+1..N (with bf16 moments:
+    the dp_reshardable one, the state dumped after the last)."""
 
     def resume(name, folder, sharding="dp_reshardable", **extra):
         return dict(
@@ -131,14 +156,32 @@ def dp2_resumed(tmp_path_factory, dp2, checkpoints):
             resume("fully_reshardable", "fully_reshardable", "fully_reshardable"),
             resume("without_step", "without_step"),
             resume("without_patches", "without_step", revert=STEP_PATCHES),
+            *(
+                [
+                    dict(
+                        name="moments_bf16",
+                        start=K,
+                        stop=N,
+                        state_after=N,
+                        load=[
+                            moments_bf16_checkpoint(checkpoints, "dp_reshardable"),
+                            "dp_reshardable",
+                        ],
+                        **MOMENTS_BF16,
+                    )
+                ]
+                if TRITON
+                else []
+            ),
         ],
     )
 
 
 @pytest.fixture(scope="module")
 def dp4(tmp_path_factory, dp2, checkpoints):
-    """Four ranks: megatron's Adam and --adam-impl torch over N iterations (EP 1 and 2), and dp2's
-    fully_reshardable checkpoint loaded."""
+    """Four ranks: megatron's Adam and --adam-impl torch over N iterations (EP 1 and 2), dp2's
+    fully_reshardable checkpoint loaded, and its checkpoints of bf16 moments loaded (the state
+    dumped right after the load; one iteration after the fully_reshardable one)."""
     return spawn(
         tmp_path_factory.mktemp("dp4"),
         4,
@@ -155,6 +198,17 @@ def dp4(tmp_path_factory, dp2, checkpoints):
                 state_after=K,
                 load=[str(checkpoints / "fully_reshardable"), "fully_reshardable"],
             ),
+            *(
+                dict(
+                    name=f"moments_bf16_{sharding}",
+                    start=K,
+                    stop=K + (sharding == "fully_reshardable"),
+                    state_after=K,
+                    load=[moments_bf16_checkpoint(checkpoints, sharding), sharding],
+                    **MOMENTS_BF16,
+                )
+                for sharding in (SHARDINGS if TRITON else [])
+            ),
         ],
     )
 
@@ -167,6 +221,7 @@ def assert_same_state(ours, reference, **tolerance):
             if tolerance:
                 torch.testing.assert_close(ours[name][key], expected, **tolerance)
             else:
+                assert ours[name][key].dtype == expected.dtype, (name, key)
                 assert torch.equal(ours[name][key], expected), (name, key)
 
 
@@ -287,6 +342,122 @@ def test_the_triton_kernel_writes_the_bf16_shards(dp2):
         assert own["copies_taken"] == [True] and own["foreach_copies"] == 0
         assert own["losses"][0] == ref["losses"][0]
     assert_same_state(dp2.state("bf16_triton"), dp2.state("bf16_torch"), **STATE_TOL)
+
+
+BF16_MOMENTS = {"exp_avg": ["torch.bfloat16"], "exp_avg_sq": ["torch.bfloat16"]}
+
+
+def stored_moment_dtypes(folder):
+    """{exp_avg, exp_avg_sq: the dtypes megatron's distributed checkpoint in ``folder`` stores
+    that moment in}, from the metadata of the torch.distributed.checkpoint files that
+    ``--ckpt-format torch_dist`` writes."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dtypes = {"exp_avg": set(), "exp_avg_sq": set()}
+    for key, stored in FileSystemReader(folder).read_metadata().state_dict_metadata.items():
+        for moment, found in dtypes.items():
+            if moment in key.split("."):
+                found.add(stored.properties.dtype)
+    return dtypes
+
+
+def assert_bf16_moments(state):
+    """Every dumped moment is bf16, every main parameter fp32."""
+    for tensors in state.values():
+        assert tensors["param"].dtype == torch.float32
+        assert tensors["exp_avg"].dtype == tensors["exp_avg_sq"].dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRITON, reason="needs triton")
+def test_bf16_moments_resume_from_the_distributed_checkpoint_bit_identically(dp2, dp2_resumed):
+    """--adam-impl triton --adam-moments-dtype bf16 (bf16 parameters, Triton's interpreter), K
+    iterations saved in megatron's dp_reshardable checkpoint at 2 ranks, fresh processes at 2
+    that load it: the moments load as bf16, iterations K+1..N have the losses and gradient norms
+    of the run that did not stop, and the main parameters and both moments after iteration N
+    are its own, to the bit and in the same dtypes."""
+    full, save = dp2["moments_bf16"], dp2["moments_bf16_save"]
+    for full_rank, save_rank, resumed in zip(full, save, dp2_resumed["moments_bf16"], strict=True):
+        for record in (full_rank, save_rank, resumed):
+            assert record["inner"] == [["TritonAdamW", True]] and record["kernel"] == [True]
+            assert record["copies_taken"] == [True] * len(record["iterations"])
+            assert record["dtypes"] == [BF16_MOMENTS]
+        assert save_rank["losses"] == full_rank["losses"][:K]
+        assert save_rank["grad_norms"] == full_rank["grad_norms"][:K]
+        groups = resumed["checkpoint_group_steps"]
+        assert groups == [float(K)] * len(groups)
+        assert resumed["loaded_steps"] == [[float(K)]]
+        assert resumed["loaded_dtypes"] == [BF16_MOMENTS]
+        assert resumed["iterations"] == list(range(K + 1, N + 1))
+        assert resumed["losses"] == full_rank["losses"][K:]
+        assert resumed["grad_norms"] == full_rank["grad_norms"][K:]
+        assert resumed["steps"] == full_rank["steps"][K:]
+    state = dp2_resumed.state("moments_bf16")
+    assert_bf16_moments(state)
+    assert_same_state(state, dp2.state("moments_bf16"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRITON, reason="needs triton")
+@pytest.mark.parametrize(
+    "sharding, stored", [("dp_reshardable", torch.bfloat16), ("fully_reshardable", torch.float32)]
+)
+def test_bf16_moments_of_2_ranks_load_at_4_in_bf16_with_the_same_state(
+    dp2, dp4, checkpoints, sharding, stored
+):
+    """The checkpoints of bf16 moments saved at 2 data-parallel ranks, loaded at 4: every rank's
+    moments are bf16 right after the load, and the main parameters and both moments gathered over
+    the 4 ranks are, to the bit, those the 2 ranks held when they saved. The dp_reshardable
+    checkpoint stores the moments as the optimizer keeps them (bf16), the fully_reshardable one
+    as megatron gathers them (fp32, the same values). After the fully_reshardable load the next
+    step runs in the kernel and keeps the moments in bf16."""
+    expected = {moment: {stored} for moment in ("exp_avg", "exp_avg_sq")}
+    assert stored_moment_dtypes(moments_bf16_checkpoint(checkpoints, sharding)) == expected
+    name = f"moments_bf16_{sharding}"
+    state = dp4.state(name)
+    assert_bf16_moments(state)
+    assert_same_state(state, dp2.state("moments_bf16_save"))
+    for rank in dp4[name]:
+        groups = rank["checkpoint_group_steps"]
+        assert groups == [float(K)] * len(groups)
+        assert rank["loaded_steps"] == [[float(K)]]
+        assert rank["loaded_dtypes"] == [BF16_MOMENTS]
+        if sharding == "fully_reshardable":
+            assert rank["kernel"] == [True] and rank["steps"] == [[[float(K + 1)]]]
+            assert rank["dtypes"] == [BF16_MOMENTS]
+            assert math.isfinite(rank["losses"][0])
+
+
+def test_the_one_kernel_adam_loads_its_moments_in_their_dtype():
+    """torch's load_state_dict casts every floating state tensor but the step to its parameter's
+    dtype; the one-kernel Adam with bf16 moments keeps them bf16 through a state_dict round trip
+    (the same values), and rounds fp32 moments of a checkpoint to nearest even as they load."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
+    saved = build_adam(params, lr=1e-3, impl="triton", moments_dtype="bf16")
+    for p in params:
+        saved.state[p].update(
+            step=torch.tensor(3.0),
+            exp_avg=torch.randn(8).to(torch.bfloat16),
+            exp_avg_sq=torch.rand(8).to(torch.bfloat16),
+        )
+    loaded = build_adam(params, lr=1e-3, impl="triton", moments_dtype="bf16")
+    loaded.load_state_dict(saved.state_dict())
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert loaded.state[p][key].dtype == torch.bfloat16
+            assert torch.equal(loaded.state[p][key], saved.state[p][key])
+        assert loaded.state[p]["step"].dtype == torch.float32
+    fp32 = saved.state_dict()
+    for state in fp32["state"].values():
+        state["exp_avg"] = state["exp_avg"].float() + 1e-4  # between two bf16 values
+    loaded.load_state_dict(fp32)
+    for index, p in enumerate(params):
+        exact = fp32["state"][index]["exp_avg"]
+        expected = exact.to(torch.bfloat16)
+        assert not torch.equal(expected.float(), exact)
+        assert loaded.state[p]["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(loaded.state[p]["exp_avg"], expected)
 
 
 def test_the_clip_scale_reaches_an_adam_whose_first_group_is_empty_on_this_rank():
