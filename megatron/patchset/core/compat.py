@@ -7,9 +7,11 @@
 uses the shipped extension when it imports, and otherwise builds ``helpers.cpp`` itself with the
 C++ compiler and pybind11 into the same folder.
 
-``compat.help_percent_signs``: argparse formats help strings with ``%``; one of megatron-core
-0.19.2's help strings contains a bare ``%``, so ``--help`` fails. The replacement doubles such
-signs after megatron adds its arguments.
+``compat.help_percent_signs``: argparse formats help strings with ``%``; megatron-core 0.19.2
+takes the help of its config fields from their docstrings, one of which holds a bare ``%``, so
+``--help`` fails. The patch is the upstream change ``HELP_PERCENT_CHANGE`` (exported by
+``python -m megatron.patchset export --series``): the installed
+``ArgumentGroupFactory._build_argparse_kwargs_from_field`` recompiled with the same edit.
 
 ``compat.checkpoint_exit_status``: megatron-core 0.19.2's checkpoint loader ends a failed load
 (a tracker file it cannot parse, ``--exit-on-missing-checkpoint``, a checkpoint without its
@@ -22,17 +24,16 @@ All three are applied before the command line is parsed (``registry.apply(None)`
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import os
-import re
 import subprocess
 import sys
 import sysconfig
 import types
 
 from megatron.patchset.core.registry import patch
+from megatron.patchset.export import changes, edits
 
 logger = logging.getLogger(__name__)
 
@@ -95,32 +96,100 @@ def compile_helpers() -> None:
         sys.exit("megatron-patchset: failed to build megatron/core/datasets/helpers.cpp")
 
 
-_LONE_PERCENT = re.compile(r"%(%|\([^)]*\)[a-zA-Z])?")
+HELP_SOURCE = "megatron/training/argument_utils.py"
+HELP_TESTS = "tests/unit_tests/test_argument_utils.py"
+HELP_EDIT = edits.Replace(
+    HELP_SOURCE,
+    "ArgumentGroupFactory._build_argparse_kwargs_from_field",
+    old='        argparse_kwargs["help"] = self.field_docstrings[attribute.name] '
+    'if attribute.name in self.field_docstrings else ""\n',
+    new="""\
+        # argparse %-formats help strings, so a literal '%' in a docstring (e.g. "10%") must be
+        # escaped for --help to work.
+        help_text = self.field_docstrings.get(attribute.name, "")
+        argparse_kwargs["help"] = help_text.replace("%", "%%")
+""",
+)
 
+HELP_PERCENT_CHANGE = changes.UpstreamChange(
+    name="help_percent_signs",
+    subject="argument_utils: escape '%' in help text taken from config docstrings",
+    motivation="""
+        `python pretrain_gpt.py --help` fails with "ValueError: unsupported format character".
+        ArgumentGroupFactory passes each dataclass field's docstring to argparse as its help,
+        and argparse %-formats help strings (for %(default)s). A docstring with a literal '%'
+        breaks the whole help: TransformerConfig.moe_paged_stash_buffer_size_factor_cuda says
+        "1.10 = 10%)" on core_r0.19.0, and mhc_recompute_layer_num says "layer_number %
+        mhc_recompute_layer_num" on main.""",
+    design="""
+        Double every '%' of a docstring when it becomes help text. Docstrings are plain text
+        (they are read from the source, not written for argparse), so no format specifier in
+        them is meant for argparse; help passed through "argparse_meta" is left as written.""",
+    figures="""
+        Not a performance change. With this change `python pretrain_gpt.py --help` prints the
+        help on core_r0.19.0 and on main; without it both exit with the ValueError above.""",
+    test_plan="""
+        $ pytest tests/unit_tests/test_argument_utils.py
+        $ python pretrain_gpt.py --help
 
-def escape_help(text: str) -> str:
-    """``text`` with every ``%`` that is not argparse's ``%%`` or ``%(name)s`` doubled."""
-    return _LONE_PERCENT.sub(lambda m: m.group(0) if m.group(1) else "%%", text)
+        TestArgumentGroupFactoryHelpText covers a docstring with a literal '%' and the help of
+        megatron's whole parser; both run on CPU.""",
+    edits=(
+        HELP_EDIT,
+        edits.InsertAfter(
+            HELP_TESTS,
+            "ConfigWithLiteral",
+            text='''
+
+@dataclass
+class ConfigWithPercentInDocstring:
+    """Config whose field docstring holds a literal percent sign."""
+
+    headroom: float = 1.1
+    """Headroom, e.g. 10%."""
+''',
+        ),
+        edits.InsertAfter(
+            HELP_TESTS,
+            "TestArgumentGroupFactoryLiteral",
+            text='''
+
+class TestArgumentGroupFactoryHelpText:
+    """Test help text taken from field docstrings."""
+
+    def test_literal_percent_sign_in_docstring(self):
+        """A '%' in a docstring reaches the help as written."""
+        parser = ArgumentParser()
+        factory = ArgumentGroupFactory(ConfigWithPercentInDocstring)
+
+        factory.build_group(parser, title="Test Group")
+
+        assert "Headroom, e.g. 10%." in parser.format_help()
+
+    def test_megatron_arguments_help_formats(self):
+        """Every help string of megatron's parser survives argparse's formatting."""
+        from megatron.training.arguments import add_megatron_arguments
+
+        parser = add_megatron_arguments(ArgumentParser())
+
+        assert "--micro-batch-size" in parser.format_help()
+''',
+        ),
+    ),
+)
 
 
 @patch(
     "compat.help_percent_signs",
-    "megatron.training.arguments.add_megatron_arguments",
-    reason="megatron-core 0.19.2's help of --moe-paged-stash-buffer-size-factor-cuda says '10%', "
-    "which argparse reads as a format character: --help fails with ValueError",
-    upstream_pr="fork-only (fixed on Megatron-LM main, not in 0.19.x)",
+    "megatron.training.argument_utils.ArgumentGroupFactory._build_argparse_kwargs_from_field",
+    reason="megatron-core 0.19.2 passes field docstrings to argparse as help, and the docstring of "
+    "moe_paged_stash_buffer_size_factor_cuda says '10%', which argparse reads as a format "
+    "character: --help fails with ValueError",
+    upstream_pr="proposed",
     kind="compat",
 )
 def _help_percent_signs(original):
-    @functools.wraps(original)
-    def add_megatron_arguments(parser):
-        parser = original(parser)
-        for action in parser._actions:
-            if isinstance(action.help, str):
-                action.help = escape_help(action.help)
-        return parser
-
-    return add_megatron_arguments
+    return edits.edited_function(original, HELP_EDIT)
 
 
 CHECKPOINT_EXIT_MESSAGE = (
