@@ -1,0 +1,227 @@
+"""``export --series`` on real Megatron-LM checkouts: the snapshots of core_r0.19.0 and main
+(``MEGATRON_LM_SNAPSHOTS``, by default ``../shared/upstream`` beside this repository, made into git
+checkouts by its ``checkout.sh``). For each: the series ``git am -3``s onto a fresh checkout, the
+edited tree passes upstream's test file with the change's new tests (which fail on the unedited
+tree) and ``pretrain_gpt.py --help`` works there; exporting onto the edited branch skips what it
+holds; the patches are byte-identical across ``PYTHONHASHSEED`` values; no fork identifier
+reaches a patch; upstream's black, isort and pylint (upstream's configs) find the touched files
+no worse; and the example configs parse to the same arguments as on the unedited tree."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megatron.patchset.core import compat
+from megatron.patchset.export import changes, edits
+from tests.unit.conftest import ROOT
+
+SNAPSHOTS = os.environ.get(
+    "MEGATRON_LM_SNAPSHOTS", os.path.join(os.path.dirname(ROOT), "shared", "upstream")
+)
+BRANCHES = ("core_r0.19.0", "main")
+AUTHOR = "Jane Doe <jane@example.com>"
+DATE = "2026-11-27T12:00:00+00:00"
+# What would give away the fork in an upstream patch
+LEAKS = re.compile(
+    r"patchset|PATCHSET|fork\b|>>>|noreply|1970|--moe-static-dispatch|--adam-impl|tools/bench|"
+    r"features/|_enable_",
+    re.IGNORECASE,
+)
+TIMEOUT = 600
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(SNAPSHOTS, "checkout.sh")),
+    reason=f"no Megatron-LM snapshots at {SNAPSHOTS} (set MEGATRON_LM_SNAPSHOTS)",
+)
+
+
+def _checkout(branch, dest):
+    subprocess.run(
+        ["bash", os.path.join(SNAPSHOTS, "checkout.sh"), branch, str(dest)],
+        check=True,
+        capture_output=True,
+        timeout=TIMEOUT,
+    )
+    return str(dest)
+
+
+def _export(checkout, out, *extra, seed="0"):
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_PATCHSET"}
+    env |= {"PYTHONHASHSEED": seed, "PYTHONPATH": ROOT}
+    argv = ["--series", "--megatron-lm", checkout, "--out", str(out)]
+    return subprocess.run(
+        [sys.executable, "-m", "megatron.patchset", "export", *argv, *extra],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=TIMEOUT,
+    )
+
+
+def _in_tree(tree, *argv):
+    """``python ARGV`` with ``tree`` (a Megatron-LM checkout) first on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_PATCHSET"}
+    env["PYTHONPATH"] = tree
+    return subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, cwd=tree, env=env, timeout=TIMEOUT
+    )
+
+
+def _git(tree, *argv):
+    ident = ["-c", "user.name=Reviewer", "-c", "user.email=reviewer@example.com"]
+    return subprocess.run(
+        ["git", "-C", tree, *ident, *argv], capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+@pytest.fixture(scope="module", params=BRANCHES)
+def series(request, tmp_path_factory):
+    """(branch, unedited checkout, checkout with the series applied by git am -3, patch files)."""
+    root = tmp_path_factory.mktemp(request.param)
+    plain = _checkout(request.param, root / "plain")
+    edited = _checkout(request.param, root / "edited")
+    done = _export(plain, root / "patches", "--author", AUTHOR, "--date", DATE)
+    assert done.returncode == 0, done.stderr
+    patches = sorted(str(p) for p in (root / "patches").glob("*.patch"))
+    assert len(patches) == len(changes.series())
+    am = _git(edited, "am", "-3", *patches)
+    assert am.returncode == 0, am.stderr
+    return request.param, plain, edited, patches
+
+
+def test_the_series_applies_in_order_with_author_date_and_index_lines(series):
+    branch, plain, edited, patches = series
+    log = _git(edited, "log", "--format=%an <%ae>|%aI|%s", f"-{len(patches)}").stdout.splitlines()
+    subjects = [change.subject for change in reversed(changes.series())]
+    assert [line.split("|")[2] for line in log] == subjects
+    assert all(line.split("|")[:2] == [AUTHOR, DATE] for line in log)
+    for path in patches:
+        text = open(path).read()
+        assert re.search(r"^index [0-9a-f]{40}\.\.[0-9a-f]{40} 100644$", text, re.M), path
+        assert "Test plan:" in text and "Motivation:" in text
+
+
+def test_the_edited_tree_passes_upstreams_tests_and_its_help_works(series):
+    branch, plain, edited, _ = series
+    tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest"]
+    run = _in_tree(edited, *tests, "tests/unit_tests/test_argument_utils.py")
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
+    new = _in_tree(edited, *tests, "-k", "HelpText", "tests/unit_tests/test_argument_utils.py")
+    assert "2 passed" in new.stdout, new.stdout[-3000:]
+    helped = _in_tree(edited, "pretrain_gpt.py", "--help")
+    assert helped.returncode == 0 and "--micro-batch-size" in helped.stdout, helped.stderr[-2000:]
+    broken = _in_tree(plain, "pretrain_gpt.py", "--help")
+    assert broken.returncode != 0 and "format" in broken.stderr
+
+
+def test_the_new_tests_fail_without_the_code_edit(series, tmp_path):
+    """Upstream's tree with only the change's test edits: its new tests fail."""
+    branch, plain, _, _ = series
+    tree = shutil.copytree(plain, tmp_path / "tests-only", symlinks=True)
+    test_edits = [e for e in compat.HELP_PERCENT_CHANGE.edits if e.path.startswith("tests/")]
+    path = os.path.join(tree, compat.HELP_TESTS)
+    source = open(path).read()
+    for edit in test_edits:
+        source = edits.apply_to_source(source, edit)
+    open(path, "w").write(source)
+    tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-k", "HelpText"]
+    run = _in_tree(str(tree), *tests, compat.HELP_TESTS)
+    assert run.returncode == 1 and "2 failed" in run.stdout, run.stdout[-3000:]
+
+
+def test_exporting_onto_the_edited_branch_skips_what_it_holds(series, tmp_path):
+    _, _, edited, _ = series
+    done = _export(edited, tmp_path / "again", "--author", AUTHOR)
+    assert done.returncode == 0, done.stderr
+    for change in changes.series():
+        assert f"skipped {change.name}: already in the checkout" in done.stdout
+    assert not list((tmp_path / "again").glob("*.patch"))
+
+
+def test_the_patches_are_byte_identical_across_hash_seeds(series, tmp_path):
+    _, plain, _, patches = series
+    again = _export(plain, tmp_path / "seed", "--author", AUTHOR, "--date", DATE, seed="12345")
+    assert again.returncode == 0, again.stderr
+    for path in patches:
+        assert (
+            open(tmp_path / "seed" / os.path.basename(path), "rb").read() == open(path, "rb").read()
+        )
+
+
+def test_no_fork_identifier_reaches_a_patch(series):
+    for path in series[3]:
+        added = [
+            line
+            for line in open(path).read().splitlines()
+            if not line.startswith(("-", " ", "@@", "diff ", "index "))
+        ]
+        leaks = [line for line in added if LEAKS.search(line)]
+        assert not leaks, f"{os.path.basename(path)}: {leaks}"
+
+
+def _lint_counts(tree, paths):
+    """Lines black and isort would change, and pylint's messages, with the tree's configs."""
+    tools = os.path.dirname(sys.executable)
+    black = subprocess.run(
+        [os.path.join(tools, "black"), "--check", "--diff", "-q", *paths],
+        capture_output=True, text=True, cwd=tree,
+    )  # fmt: skip
+    isort = subprocess.run(
+        [os.path.join(tools, "isort"), "--check-only", "--diff", *paths],
+        capture_output=True, text=True, cwd=tree,
+    )  # fmt: skip
+    pylint = subprocess.run(
+        [os.path.join(tools, "pylint"), "--rcfile=.pylintrc", *paths],
+        capture_output=True, text=True, cwd=tree,
+    )  # fmt: skip
+    changed = re.compile(r"^[+-](?![+-])", re.M)
+    assert "error: cannot format" not in black.stderr, black.stderr
+    return {
+        "black": len(changed.findall(black.stdout)),
+        "isort": len(changed.findall(isort.stdout)),
+        "pylint": len(re.findall(r": [CRWEF]\d{4}: ", pylint.stdout)),
+    }
+
+
+def test_upstream_lint_finds_the_touched_files_no_worse(series):
+    _, plain, edited, _ = series
+    touched = [p for change in changes.series() for p in change.paths()]
+    before, after = _lint_counts(plain, touched), _lint_counts(edited, touched)
+    assert after["black"] <= before["black"] and after["isort"] <= before["isort"]
+    assert after["pylint"] <= before["pylint"], (before, after)
+
+
+PARSE = """
+import json, sys
+from megatron.training.arguments import parse_args
+target, names, out = sys.argv[1], sys.argv[2:], {}
+for name in sorted(names):
+    words = [w for line in open(name) for w in line.split("#")[0].split()]
+    sys.argv = ["pretrain_gpt.py", *words]
+    out[name] = {k: repr(v) for k, v in sorted(vars(parse_args()).items())}
+json.dump(out, open(target, "w"))
+"""
+
+
+def test_configs_without_the_change_parse_as_before(series, tmp_path):
+    """Megatron's parser on the example configs: the same arguments on both trees."""
+    _, plain, edited, _ = series
+    configs = sorted(
+        os.path.join(ROOT, "examples", "configs", name)
+        for name in os.listdir(os.path.join(ROOT, "examples", "configs"))
+        if name.endswith(".args")
+    )
+    assert configs
+    parsed = {}
+    for label, tree in (("plain", plain), ("edited", edited)):
+        out = tmp_path / f"{label}.json"
+        run = _in_tree(tree, "-c", PARSE, str(out), *configs)
+        assert run.returncode == 0, run.stderr[-3000:]
+        parsed[label] = json.load(open(out))
+    assert parsed["plain"] == parsed["edited"] and len(parsed["plain"]) == len(configs)
