@@ -69,7 +69,10 @@ def _wrap(text: str) -> str:
 
 
 # module:attribute of each change, in the order a series applies them
-SERIES = ("megatron.patchset.core.compat:HELP_PERCENT_CHANGE",)
+SERIES = (
+    "megatron.patchset.core.compat:HELP_PERCENT_CHANGE",
+    "megatron.patchset.features.triton_cross_entropy.upstream:CHANGE",
+)
 
 
 def series() -> list[UpstreamChange]:

@@ -6,7 +6,11 @@ number:
 
 * :class:`Replace` swaps one exact piece of text that occurs once inside the definition;
 * :class:`InsertAfter` adds text after the definition's last line (a new method after a named
-  one, a new test class after a named class).
+  one, a new test class after a named class);
+* :class:`NewFile` adds a file whose text is a module of this package's, under upstream's
+  copyright header (the overlay runs the same module).
+
+A ``definition`` of ``""`` is the module's top level (an import line, found once in the file).
 
 The same edit serves both uses. The export applies it to a checkout's file
 (:func:`apply_to_source`), so the diff a reviewer reads is the edit itself, with upstream's
@@ -23,11 +27,13 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import os
 import textwrap
 
 from megatron.patchset.core.errors import PatchsetError
 
 APPLIES, APPLIED, DRIFTED = "applies", "applied", "drifted"
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # megatron/patchset
 
 
 class EditError(PatchsetError):
@@ -62,6 +68,22 @@ class InsertAfter:
         return module_name(self.path)
 
 
+@dataclasses.dataclass(frozen=True)
+class NewFile:
+    """A new upstream file ``path``: ``header``, then the text of file ``source`` of this package
+    (a path relative to ``megatron/patchset/``: the module the overlay runs, or an upstream test
+    kept beside its feature)."""
+
+    path: str
+    source: str
+    header: str = ""
+    definition: str = ""
+
+    def text(self) -> str:
+        with open(os.path.join(PACKAGE, self.source)) as handle:
+            return self.header + handle.read()
+
+
 def module_name(path: str) -> str:
     """``megatron/training/argument_utils.py`` -> ``megatron.training.argument_utils``."""
     if not path.endswith(".py"):
@@ -88,7 +110,10 @@ def _node(tree: ast.Module, qualname: str) -> ast.AST | None:
 
 
 def definition_lines(source: str, qualname: str, path: str = "<source>") -> tuple[int, int]:
-    """The 0-based [first, last) line range of ``qualname`` in ``source``, decorators included."""
+    """The 0-based [first, last) line range of ``qualname`` in ``source``, decorators included
+    (``""``: the whole file)."""
+    if not qualname:
+        return 0, len(source.splitlines())
     node = _node(ast.parse(source), qualname)
     if node is None:
         raise EditError(f"{path}: no definition named {qualname} (upstream moved or renamed it)")
@@ -102,25 +127,39 @@ def _split(source: str, edit, path: str) -> tuple[str, str, str]:
     return "".join(lines[:first]), "".join(lines[first:last]), "".join(lines[last:])
 
 
-def status(source: str, edit) -> str:
+def status(source: str | None, edit) -> str:
     """:data:`APPLIES` (the edit fits), :data:`APPLIED` (the source already holds it) or
-    :data:`DRIFTED` (the definition's text is neither upstream's nor the edited one)."""
+    :data:`DRIFTED` (the definition's text is neither upstream's nor the edited one). ``source``
+    is None for a file that does not exist."""
+    if isinstance(edit, NewFile):
+        if source is None:
+            return APPLIES
+        return APPLIED if source == edit.text() else DRIFTED
+    if source is None:
+        return DRIFTED
     try:
         _, body, after = _split(source, edit, edit.path)
     except EditError:
         return DRIFTED
     if isinstance(edit, InsertAfter):
         return APPLIED if after.startswith(edit.text) else APPLIES
+    # the edited text first: an edit may keep the old text inside the new (an added branch)
+    if body.count(edit.new) == 1 and body.count(edit.old) == edit.new.count(edit.old):
+        return APPLIED
     if body.count(edit.old) == 1:
         return APPLIES
-    if edit.old not in body and body.count(edit.new) == 1:
-        return APPLIED
     return DRIFTED
 
 
-def apply_to_source(source: str, edit) -> str:
+def apply_to_source(source: str | None, edit) -> str:
     """``source`` with ``edit`` applied; :class:`EditError` names the definition if it does not
     fit."""
+    if isinstance(edit, NewFile):
+        if source is not None:
+            raise EditError(f"{edit.path}: the file exists already")
+        return edit.text()
+    if source is None:
+        raise EditError(f"{edit.path}: not in this checkout")
     before, body, after = _split(source, edit, edit.path)
     if isinstance(edit, InsertAfter):
         return before + body + edit.text + after

@@ -9,7 +9,7 @@ import re
 import shutil
 
 from megatron.patchset.core import features as features_mod
-from megatron.patchset.export import edit, patchfile
+from megatron.patchset.export import edit, patchfile, uses
 from megatron.patchset.export.plan import exportability, plan
 from megatron.patchset.export.source import ExportRefused, SourceTree
 
@@ -73,12 +73,20 @@ def export(megatron_lm: str, out: str, names: list[str] | None = None) -> Export
     chosen, refused = _selected(names)
     regions: dict[str, list[edit.Region]] = {}
     exported = []
+    installed = uses.installed_tree()
     for feature in chosen:
         try:
             regions.update(plan([feature], tree))
-            exported.append(feature.name)
         except ExportRefused as exc:
             refused[feature.name] = str(exc)
+            continue
+        code = "\n".join(region.text for region in regions[feature.name])
+        added = set().union(*(uses.bound_by(r.relative, r.text) for r in regions[feature.name]))
+        lacking = uses.missing(code, tree, installed, added)
+        if lacking:
+            refused[feature.name] = "upstream code it uses is missing: " + "; ".join(lacking)
+            continue
+        exported.append(feature.name)
     if not exported:
         raise ExportRefused("; ".join(refused.values()) or "no exportable feature")
     # every feature's regions renamed consistently: plan them together

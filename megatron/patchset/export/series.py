@@ -76,10 +76,10 @@ def check_checkout(checkout: str) -> None:
         raise PatchsetError(f"--megatron-lm {checkout}: commit or stash its changes first")
 
 
-def _read(folder: str, path: str) -> str:
+def _read(folder: str, path: str) -> str | None:
     full = os.path.join(folder, path)
     if not os.path.exists(full):
-        raise edits.EditError(f"{path}: not in this checkout")
+        return None
     with open(full) as handle:
         return handle.read()
 
@@ -92,7 +92,12 @@ def _apply(folder: str, change: changes_mod.UpstreamChange) -> str | None:
     for edit in change.edits:
         state = edits.status(sources[edit.path], edit)
         if state == edits.DRIFTED:
-            return f"{edit.path}: {edit.definition} changed upstream; the edit does not fit"
+            where = edit.definition or "the module's top level"
+            if sources[edit.path] is None:
+                return f"{edit.path}: not in this checkout"
+            if isinstance(edit, edits.NewFile):
+                return f"{edit.path}: a different file of that name exists"
+            return f"{edit.path}: {where} changed upstream; the edit does not fit"
         states.append(state)
     if all(state == edits.APPLIED for state in states):
         return edits.APPLIED
@@ -101,6 +106,7 @@ def _apply(folder: str, change: changes_mod.UpstreamChange) -> str | None:
     for edit in change.edits:
         sources[edit.path] = edits.apply_to_source(sources[edit.path], edit)
     for path, text in sources.items():
+        os.makedirs(os.path.dirname(os.path.join(folder, path)), exist_ok=True)
         with open(os.path.join(folder, path), "w") as handle:
             handle.write(text)
     return None
