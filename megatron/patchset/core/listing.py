@@ -53,8 +53,12 @@ def _patch_lines(
 
 def _export_line(feature: features.Feature) -> str:
     """Whether ``python -m megatron.patchset export`` can export the feature, and if not why."""
+    from megatron.patchset.export.changes import series
     from megatron.patchset.export.plan import exportability
 
+    if feature.name in {change.name for change in series()}:
+        command = f"python -m megatron.patchset export --series --feature {feature.name}"
+        return f"yes, in the patch series ({command})"
     reason = exportability(feature)
     if reason is None:
         return "yes (python -m megatron.patchset export --feature " + feature.name + ")"

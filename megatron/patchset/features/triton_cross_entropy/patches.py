@@ -20,7 +20,7 @@ def triton_for_fused(original):
             )
         if not kernels.available(vocab_parallel_logits.device):
             return original(vocab_parallel_logits, target, tp_group)
-        return kernels.cross_entropy(vocab_parallel_logits, target)
+        return kernels.triton_cross_entropy(vocab_parallel_logits, target)
 
     return fused_vocab_parallel_cross_entropy
 

@@ -41,7 +41,7 @@ def reference(logits, target):
 def test_loss_and_gradient_are_torchs_cross_entropy(interpreter):
     logits, target = logits_and_target()
     x = logits.clone().requires_grad_()
-    loss = kernels.cross_entropy(x, target)
+    loss = kernels.triton_cross_entropy(x, target)
     ref_x, ref_loss = reference(logits, target)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     grad = torch.randn(target.shape, generator=torch.Generator().manual_seed(1))
@@ -54,7 +54,7 @@ def test_loss_and_gradient_are_torchs_cross_entropy(interpreter):
 def test_bf16_logits_give_an_fp32_loss_and_a_bf16_gradient(interpreter):
     logits, target = logits_and_target(torch.bfloat16)
     x = logits.clone().requires_grad_()
-    loss = kernels.cross_entropy(x, target)
+    loss = kernels.triton_cross_entropy(x, target)
     ref_x, ref_loss = reference(logits, target)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
@@ -69,7 +69,7 @@ def test_minus_infinity_logits_take_no_probability(interpreter):
     logits[..., : kernels.BLOCK] = float("-inf")  # a whole first block masked out
     target.clamp_(min=kernels.BLOCK)
     x = logits.clone().requires_grad_()
-    loss = kernels.cross_entropy(x, target)
+    loss = kernels.triton_cross_entropy(x, target)
     ref_x, ref_loss = reference(logits, target)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     loss.sum().backward()
@@ -83,14 +83,14 @@ def test_a_target_outside_the_vocabulary_counts_as_the_row_maximum(interpreter):
     logits, target = logits_and_target(seq=1, batch=2)
     target[0, 0] = VOCAB + 5
     target[0, 1] = -1
-    loss = kernels.cross_entropy(logits, target)
+    loss = kernels.triton_cross_entropy(logits, target)
     expected = torch.logsumexp(logits, -1) - logits.amax(-1)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_mismatched_shapes_are_refused_with_both_named():
     with pytest.raises(ValueError, match=r"logits \(3, 2, 5\) do not match target \(3,\)"):
-        kernels.cross_entropy(torch.zeros(3, 2, 5), torch.zeros(3, dtype=torch.long))
+        kernels.triton_cross_entropy(torch.zeros(3, 2, 5), torch.zeros(3, dtype=torch.long))
 
 
 class Group:
