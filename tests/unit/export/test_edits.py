@@ -40,6 +40,14 @@ def test_replace_edits_the_named_definition_in_place_and_keeps_the_rest():
     assert edits.status(out, REPLACE) == edits.APPLIED
 
 
+def test_an_edit_that_keeps_the_old_text_is_seen_as_applied():
+    """A new branch after an existing one: the old text stays inside the new."""
+    keep = edits.Replace("pkg/box.py", "Box.size", "# count\n", "# count\n        del self\n")
+    out = edits.apply_to_source(SOURCE, keep)
+    assert edits.status(SOURCE, keep) == edits.APPLIES
+    assert edits.status(out, keep) == edits.APPLIED
+
+
 def test_insert_after_lands_after_the_definition_and_is_seen_as_applied():
     out = edits.apply_to_source(SOURCE, INSERT)
     assert out.index("class Bag(Box)") > out.index("return len(self.items)")
