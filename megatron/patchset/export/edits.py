@@ -49,10 +49,6 @@ class Replace:
     old: str
     new: str
 
-    @property
-    def module(self) -> str:
-        return module_name(self.path)
-
 
 @dataclasses.dataclass(frozen=True)
 class InsertAfter:
@@ -62,10 +58,6 @@ class InsertAfter:
     path: str
     definition: str
     text: str
-
-    @property
-    def module(self) -> str:
-        return module_name(self.path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +169,7 @@ def edited_function(original, edit: Replace):
     """The installed function ``original`` recompiled from its module's source with ``edit``
     applied, in the module's globals; its ``__wrapped__`` is ``original``. Line numbers in
     tracebacks are those of the installed file."""
-    module = importlib.import_module(edit.module)
+    module = importlib.import_module(module_name(edit.path))
     path = inspect.getsourcefile(module)
     with open(path) as handle:
         source = handle.read()
