@@ -92,7 +92,17 @@ def select(names: list[str] | None) -> list[UpstreamChange]:
     known = {change.name: change for change in changes}
     unknown = [name for name in names if name not in known]
     if unknown:
+        from megatron.patchset.core import features
+
+        not_yet = [name for name in unknown if name in {f.name for f in features.load()}]
+        why = (
+            f"{', '.join(not_yet)}: a feature not yet declared as edits of upstream functions "
+            "(the export without --series writes it as a file-level patch); "
+            if not_yet
+            else ""
+        )
         raise PatchsetError(
-            f"no upstream change named {', '.join(unknown)}; the series holds: " + ", ".join(known)
+            f"{why}no upstream change named {', '.join(unknown)}; the series holds: "
+            + ", ".join(known)
         )
     return [change for change in changes if change.name in names]
