@@ -23,6 +23,7 @@ lines the overlay prints.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import textwrap
 
@@ -135,6 +136,11 @@ class FeaturePlan:
             self._root(ARGUMENTS, f"rule:{r.name}", r.check)
         for r in self._combination:
             self._root(ARGUMENT_UTILS, f"rule:{r.name}", r.check)
+        # the rules run for the feature's users only: a run without its flags is upstream's
+        if self._layout:
+            self._root(ARGUMENTS, "predicate:rules", feature.enabled)
+        if self._combination:
+            self._root(ARGUMENT_UTILS, "predicate:rules", feature.enabled)
         if feature.configure_config is not None:
             self._root(ARGUMENT_UTILS, "configure", feature.configure_config)
         for anchor in ("add_megatron_arguments", "validate_args"):
@@ -246,6 +252,7 @@ class FeaturePlan:
                     "args",
                     feature.title,
                     [(r.name, final(ARGUMENTS, f"rule:{r.name}")) for r in self._layout],
+                    _gate(final(ARGUMENTS, "predicate:rules"), _own_flags(feature)),
                 )
             )
             calls.append(
@@ -254,7 +261,12 @@ class FeaturePlan:
         if self._combination or feature.configure_config is not None:
             utils = self.destinations[ARGUMENT_UTILS]
             checks = [(r.name, final(ARGUMENT_UTILS, f"rule:{r.name}")) for r in self._combination]
-            text = _rules_function(f"_configure_{name}", "args, config", feature.title, checks)
+            gate = None
+            if checks:
+                gate = _gate(final(ARGUMENT_UTILS, "predicate:rules"), _own_flags(feature))
+            text = _rules_function(
+                f"_configure_{name}", "args, config", feature.title, checks, gate
+            )
             if feature.configure_config is not None:
                 text += f"\n    {final(ARGUMENT_UTILS, 'configure')}(args, config)"
             generated[ARGUMENT_UTILS].append(text)
@@ -273,25 +285,52 @@ class FeaturePlan:
         return regions + calls
 
 
-def _rules_function(name: str, params: str, title: str, checks: list[tuple[str, str]]) -> str:
+def _own_flags(feature: features_mod.Feature) -> list[tuple[str, object]]:
+    """(dest, default) of each flag the feature adds."""
+    if feature.add_arguments is None:
+        return []
+    parser = argparse.ArgumentParser(add_help=False)
+    feature.add_arguments(parser.add_argument_group(feature.name))
+    return [(a.dest, a.default) for a in parser._actions]
+
+
+def _gate(predicate: str, flags: list[tuple[str, object]]) -> str:
+    """The condition under which a feature's rules run: its predicate holds, or one of its own
+    flags is set. A run with neither is upstream's and is checked as upstream checks it."""
+    if not flags:
+        return f"{predicate}(args)"
+    pairs = ", ".join(f"({dest!r}, {default!r})" for dest, default in flags)
+    return f"{predicate}(args) or any(\n        getattr(args, d) != v for d, v in ({pairs},)\n    )"
+
+
+def _rules_function(
+    name: str, params: str, title: str, checks: list[tuple[str, str]], gate: str | None = None
+) -> str:
+    """The function that runs ``checks`` when ``gate`` holds (the feature is asked for)."""
     lines = [
         f"def {name}({params}):",
         f'    """Flag combinations that {title} cannot run; raises ValueError naming each."""',
     ]
     if checks:
-        lines += ["    failures = []", "    for name, check in ("]
-        lines += [f"        ({rule!r}, {fn})," for rule, fn in checks]
-        lines += [
-            "    ):",
-            f"        message = check({params})",
-            "        if message:",
-            '            failures.append(f"[{name}] {message}")',
-            "    if failures:",
-            "        raise ValueError(",
-            '            f"{len(failures)} invalid flag combination(s):\\n  "',
-            '            + "\\n  ".join(failures)',
-            "        )",
+        body = ["failures = []", "for name, check in ("]
+        body += [f"    ({rule!r}, {fn})," for rule, fn in checks]
+        body += [
+            "):",
+            f"    message = check({params})",
+            "    if message:",
+            '        failures.append(f"[{name}] {message}")',
+            "if failures:",
+            "    raise ValueError(",
+            '        f"{len(failures)} invalid flag combination(s):\\n  "',
+            '        + "\\n  ".join(failures)',
+            "    )",
         ]
+        indent = "    "
+        if gate:
+            lines.append(f"    asked = {gate}")
+            lines.append("    if asked:")
+            indent = "        "
+        lines += [indent + line for line in body]
     return "\n".join(lines)
 
 
