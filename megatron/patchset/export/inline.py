@@ -357,7 +357,7 @@ class Inliner:
         for name in sorted(free_names(ast.unparse(node))):
             found = self._resolve(origin.module, name, lifter.lifted)
             if isinstance(found, ForkModule):
-                for attr in self._attributes_of(node, name, origin):
+                for attr in sorted(self._attributes_of(node, name, origin)):
                     target = self._resolve(found.module, attr)
                     if not isinstance(target, Origin):
                         raise ExportRefused(

@@ -236,3 +236,21 @@ def test_the_cli_exports_and_list_says_what_can_be_exported(tmp_path):
         in_series = feature.name in {change.name for change in changes.series()}
         assert line.startswith("yes, in the patch series") == in_series, feature.name
         assert line.startswith("yes") == (feature.name in EXPORTABLE or in_series), feature.name
+
+
+def test_the_patches_do_not_depend_on_the_hash_seed(tmp_path):
+    """Every exportable feature, exported under two PYTHONHASHSEED values: the same bytes (the
+    order of definitions once followed the iteration order of a set of attribute names)."""
+    outputs = []
+    for seed in ("3", "4"):
+        out = tmp_path / seed
+        done = subprocess.run(
+            [sys.executable, "-m", "megatron.patchset", "export", "--megatron-lm"]
+            + [installed_source(), "--out", str(out)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        assert done.returncode == 0, done.stderr
+        outputs.append({p.name: p.read_bytes() for p in (out / "patches").glob("*.patch")})
+    assert len(outputs[0]) == len(EXPORTABLE) and outputs[0] == outputs[1]
