@@ -64,15 +64,17 @@ def _export(checkout, out, *extra, seed="0"):
     )
 
 
-def _in_tree(tree, *argv, interpret=False):
+def _in_tree(tree, *argv, interpret=False, world_size=None):
     """``python ARGV`` with ``tree`` (a Megatron-LM checkout) first on the path (and Triton's
-    interpreter on with ``interpret``)."""
+    interpreter on with ``interpret``, megatron's world size with ``world_size``)."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("MEGATRON_PATCHSET", "TRITON_INTERPRET")
     }
     env["PYTHONPATH"] = tree
     if interpret:
         env["TRITON_INTERPRET"] = "1"
+    if world_size:
+        env |= {"WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
     return subprocess.run(
         [sys.executable, *argv], capture_output=True, text=True, cwd=tree, env=env, timeout=TIMEOUT
     )
@@ -225,30 +227,57 @@ def test_upstream_lint_finds_the_touched_files_no_worse(series, change):
 
 
 PARSE = """
-import json, sys
-from megatron.training.arguments import parse_args
-target, names, out = sys.argv[1], sys.argv[2:], {}
-for name in sorted(names):
-    words = [w for line in open(name) for w in line.split("#")[0].split()]
+import contextlib, io, json, os, sys, types
+import torch
+# as on one Hopper GPU: validate_args reads the device's compute capability
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+    major=9, minor=0, name="H100", total_memory=80 << 30, multi_processor_count=132
+)
+torch.cuda.device_count = lambda: 1
+from megatron.training.arguments import parse_args, validate_args
+target, runs, out = sys.argv[1], json.load(open(sys.argv[2])), {}
+for name, words in runs.items():
     sys.argv = ["pretrain_gpt.py", *words]
-    out[name] = {k: repr(v) for k, v in sorted(vars(parse_args()).items())}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = parse_args()
+            validate_args(args, {})
+        out[name] = {k: repr(v) for k, v in sorted(vars(args).items())}
+    except BaseException as exc:
+        out[name] = f"{type(exc).__name__}: {exc}"
 json.dump(out, open(target, "w"))
 """
+# upstream flags only: each example config with each of these
+VARIANTS = {
+    "plain": [],
+    "ce_fusion": ["--cross-entropy-loss-fusion"],
+    "ce_fusion_te": ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],
+    "dist_opt": ["--use-distributed-optimizer"],
+    "full_iteration": ["--cuda-graph-impl", "full_iteration"],
+    "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "ep4": ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"],
+}
 
 
-def test_configs_without_the_change_parse_as_before(series, tmp_path):
-    """Megatron's parser on the example configs: the same arguments on both trees."""
+def test_configs_without_the_changes_are_checked_as_before(series, tmp_path):
+    """21 runs of upstream flags (3 example configs x 7 variants), parsed and validated by
+    megatron on one GPU: the same arguments, or the same error, on both trees."""
     _, plain, edited, _ = series
-    configs = sorted(
-        os.path.join(ROOT, "examples", "configs", name)
-        for name in os.listdir(os.path.join(ROOT, "examples", "configs"))
-        if name.endswith(".args")
-    )
-    assert configs
+    folder = os.path.join(ROOT, "examples", "configs")
+    runs = {}
+    for config in sorted(n for n in os.listdir(folder) if n.endswith(".args")):
+        lines = open(os.path.join(folder, config)).read().splitlines()
+        words = [w for line in lines for w in line.split("#")[0].split()]
+        for variant, extra in VARIANTS.items():
+            runs[f"{config}:{variant}"] = words + extra
+    assert len(runs) >= 20
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
     parsed = {}
     for label, tree in (("plain", plain), ("edited", edited)):
         out = tmp_path / f"{label}.json"
-        run = _in_tree(tree, "-c", PARSE, str(out), *configs)
+        run = _in_tree(tree, "-c", PARSE, str(out), str(tmp_path / "runs.json"), world_size=1)
         assert run.returncode == 0, run.stderr[-3000:]
         parsed[label] = json.load(open(out))
-    assert parsed["plain"] == parsed["edited"] and len(parsed["plain"]) == len(configs)
+    assert parsed["plain"] == parsed["edited"] and len(parsed["plain"]) == len(runs)
+    assert sum(isinstance(v, dict) for v in parsed["plain"].values()) >= 10
