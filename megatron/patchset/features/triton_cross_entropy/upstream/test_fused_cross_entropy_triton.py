@@ -18,7 +18,7 @@ class TestTritonCrossEntropy:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_loss_and_grad_match_torch(self, dtype):
         torch.manual_seed(0)
-        seq, batch, vocab = 5, 3, 5000
+        seq, batch, vocab = 2, 2, 5000  # two blocks of the kernel per row
         logits = torch.randn(seq, batch, vocab, device=DEVICE).to(dtype).requires_grad_()
         target = torch.randint(0, vocab, (seq, batch), device=DEVICE)
         reference = logits.detach().float().requires_grad_()
