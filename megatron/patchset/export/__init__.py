@@ -9,6 +9,14 @@ checkout's source; only digests of the upstream symbols the patches target are r
 (:mod:`.digests`), so that a target that moved or changed refuses its feature by name.
 """
 
-from megatron.patchset.export.run import ExportResult, export
-
 __all__ = ["ExportResult", "export"]
+
+
+def __getattr__(name):
+    # The exporter loads on first use: the compat patches, which every launch applies, import
+    # this package's edits and changes modules only.
+    if name in __all__:
+        from megatron.patchset.export import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
