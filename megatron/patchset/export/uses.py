@@ -21,7 +21,8 @@ from __future__ import annotations
 import ast
 import os
 
-from megatron.patchset.export.source import SourceTree
+from megatron.patchset.export.edits import module_name
+from megatron.patchset.export.source import SourceTree, bound_names
 
 _DEPTH = 8  # base classes followed
 
@@ -51,28 +52,7 @@ def binds(tree: SourceTree, module: str, name: str) -> bool:
     if tree.module_path(f"{module}.{name}") is not None:
         return True
     parsed = _module_tree(tree, module)
-    if parsed is None:
-        return False
-    for node in parsed.body:
-        for inner in [node, *getattr(node, "body", ()), *getattr(node, "orelse", ())]:
-            if _binds_name(inner, name):
-                return True
-        for handler in getattr(node, "handlers", ()):
-            if any(_binds_name(inner, name) for inner in handler.body):
-                return True
-    return False
-
-
-def _binds_name(node: ast.AST, name: str) -> bool:
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return node.name == name
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        return any((a.asname or a.name.split(".")[0]) == name for a in node.names)
-    if isinstance(node, ast.Assign):
-        return any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
-    if isinstance(node, ast.AnnAssign):
-        return isinstance(node.target, ast.Name) and node.target.id == name
-    return False
+    return parsed is not None and any(name in bound_names(stmt) for stmt in parsed.body)
 
 
 def _class(tree: SourceTree, module: str, name: str, depth: int = 0):
@@ -98,9 +78,8 @@ def defines(tree: SourceTree, module: str, cls: str, attr: str, depth: int = 0) 
     if found is None or depth > _DEPTH:
         return None
     home, node = found
-    for stmt in node.body:
-        if _binds_name(stmt, attr):
-            return True
+    if any(attr in bound_names(stmt) for stmt in node.body):
+        return True
     unknown = False
     for base in node.bases:
         name = base.id if isinstance(base, ast.Name) else None
@@ -123,19 +102,8 @@ def installed_tree() -> SourceTree:
 def bound_by(relative: str, code: str) -> set[tuple[str, str]]:
     """(module, name) of each name ``code`` (exported into file ``relative``) binds at its top
     level."""
-    module = relative[: -len(".py")].replace("/", ".").removesuffix(".__init__")
-    names = set()
-    for node in ast.parse(code).body:
-        for name in ("FunctionDef", "AsyncFunctionDef", "ClassDef"):
-            if type(node).__name__ == name:
-                names.add(node.name)
-        if isinstance(node, ast.Assign):
-            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {a.asname or a.name.split(".")[0] for a in node.names}
-    return {(module, name) for name in names}
+    module = module_name(relative).removesuffix(".__init__")
+    return {(module, name) for stmt in ast.parse(code).body for name in bound_names(stmt)}
 
 
 def missing(
