@@ -592,3 +592,53 @@ def test_an_emulated_run_reports_tokens_per_gpu_and_the_skipped_communication(tm
     assert "tokens/s/GPU" in table[captions[0]]
     assert "rank 0 of 32" in captions[1] and "h100" in captions[1]
     assert row["comm"]["step_exposed_ms"] > row["step_ms"]
+
+
+def test_check_real_needs_an_emulated_layout_that_fits_one_host():
+    with pytest.raises(SystemExit):
+        bench.parse_options(["--config", TINY, "--check-real"])
+    with pytest.raises(SystemExit):
+        bench.parse_options(["--config", TINY, "--emulate", "16", "--check-real"])
+    opts = bench.parse_options(["--config", TINY, "--emulate", "4", "--check-real"])
+    assert opts.check_real and opts.emulate == 4
+
+
+def test_check_real_trains_each_emulated_variant_again_on_the_hosts_gpus(
+    tmp_path, capsys, monkeypatch
+):
+    argv = bench.argsfile.read(os.path.join(os.path.dirname(TINY), "qwen3_30b_a3b.args"))
+    config = tmp_path / "layout.args"
+    config.write_text(" ".join(argv + ["--expert-model-parallel-size", "4"]) + "\n")
+    calls = []
+
+    def fake_run_variant(name, entry_argv, env_extra, nproc, out_dir, timeout, numa, emulate):
+        calls.append((name, nproc, emulate, list(entry_argv)))
+        real = emulate is None
+        metrics, log = bench.variant_files(out_dir, name)
+        with open(metrics, "w") as handle:  # the real step is slower: it communicates
+            for rec in records([None, 0.5, 0.6, 0.6] if real else [None, 0.5, 0.5, 0.5], [3.0] * 4):
+                handle.write(json.dumps(rec) + "\n")
+        open(log, "w").close()
+        return 0, metrics, log
+
+    monkeypatch.setattr(bench, "run_variant", fake_run_variant)
+    monkeypatch.setattr(bench, "device_facts", lambda: {"device": "NVIDIA H100", "device_count": 4})
+    common = ["--config", str(config), "--out", str(tmp_path / "out"), "--iters", "4"]
+    common += ["--warmup", "1", "--emulate", "4", "--check-real", "--recipe", "upstream_best"]
+    assert bench.main(common) == 0
+    real = calls[1]
+    assert len(calls) == 2 and calls[0][1:3] == (1, (4, 0))
+    assert "--fake-process-group" in calls[0][3]
+    assert real[0].endswith("-real") and real[1:3] == (4, None)
+    assert "--fake-process-group" not in real[3]
+    assert [a for a in calls[0][3] if a != "--fake-process-group"] == real[3]
+    saved = json.load(open(tmp_path / "out" / "bench.json"))
+    row = saved["variants"][0]
+    assert row["real"]["step_ms"] == pytest.approx(600.0) and row["step_ms"] == 500.0
+    out = capsys.readouterr().out
+    assert "trained again for real on 4 GPUs" in out and "600.0" in out
+    # too few GPUs here: refused before anything runs
+    calls.clear()
+    monkeypatch.setattr(bench, "device_facts", lambda: {"device": "NVIDIA H100", "device_count": 2})
+    assert bench.main(common) == 2 and calls == []
+    assert "needs 4 GPUs on this host; it has 2" in capsys.readouterr().err
