@@ -1235,6 +1235,7 @@ def format_real_table(rows: list[dict]) -> str:
         "emulated peak GiB",
         "real peak GiB",
         "real TFLOP/s/GPU",
+        "real final loss",
     ]
     table = [head]
     for r in rows:
@@ -1243,7 +1244,7 @@ def format_real_table(rows: list[dict]) -> str:
             continue
         if real.get("error"):
             cause = real.get("cause") or real["error"]
-            table.append([r["variant"], f"{r['step_ms']:.1f}", "-", cause, "-", "-", "-", "-"])
+            table.append([r["variant"], f"{r['step_ms']:.1f}", "-", cause, *["-"] * 5])
             continue
         low, high = (c["step_overlapped_ms"], c["step_exposed_ms"]) if c else (None, None)
         table.append(
@@ -1256,6 +1257,7 @@ def format_real_table(rows: list[dict]) -> str:
                 _gib(r.get("peak_allocated_gib")),
                 _gib(real.get("peak_allocated_gib")),
                 f"{real['tflops_per_gpu']:.1f}",
+                f"{real['losses'][-1]:.6f}" if real.get("losses") else "-",
             ]
         )
     return trace_summary.markdown_table(table)

@@ -5,7 +5,9 @@ every collective skipped. This module adds the collectives back as bytes over li
 
 * **expert-parallel all-to-all**, per MoE layer and micro-batch: dispatch and combine in the
   forward pass and both again in the backward pass, each moving ``tokens x top-k x hidden`` bf16
-  values of which ``(EP - 1) / EP`` leave the GPU;
+  values of which ``(EP - 1) / EP`` leave the GPU; the static-shape dispatch
+  (``--moe-static-dispatch``) sends fixed slots of its capacity, ``factor`` times as many rows
+  (``--moe-static-dispatch-capacity-factor``, default 2);
 * **data-parallel gradient reduction**: with the distributed optimizer a reduce-scatter of the
   gradients (fp32 when megatron accumulates them in fp32, as it does for bf16) and an all-gather
   of the bf16 parameters, for the dense parameters over the data-parallel group and for the
@@ -78,6 +80,7 @@ class Shape:
     distributed_optimizer: bool
     grad_bytes: int
     param_bytes: int = 2
+    a2a_rows_factor: float = 1.0  # rows sent per routed row: the static dispatch's capacity
 
     @property
     def dp(self) -> int:
@@ -112,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         ("--vocab-size", None),
     ):
         p.add_argument(flag, type=int, default=default)
+    # the static dispatch's default capacity factor (features/static_dispatch/flags.py)
+    p.add_argument("--moe-static-dispatch-capacity-factor", type=float, default=2.0)
     for flag in (
         "--use-distributed-optimizer",
         "--untie-embeddings-and-output-weights",
@@ -120,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         "--bf16",
         "--accumulate-allreduce-grads-in-fp32",
         "--qk-layernorm",
+        "--moe-static-dispatch",
     ):
         p.add_argument(flag, action="store_true")
     return p
@@ -178,6 +184,7 @@ def shape_of(argv: list[str], world: int) -> Shape:
         distributed_optimizer=a.use_distributed_optimizer,
         # megatron accumulates and reduces bf16 gradients in fp32
         grad_bytes=4 if (a.bf16 or a.accumulate_allreduce_grads_in_fp32) else 2,
+        a2a_rows_factor=a.moe_static_dispatch_capacity_factor if a.moe_static_dispatch else 1.0,
     )
 
 
@@ -204,7 +211,8 @@ def _collective_ms(nbytes: float, ranks: int, busbw_gbps: float) -> float:
 def predict(shape: Shape, links: Links, gpus_per_node: int = 8) -> dict:
     """Milliseconds per step of each skipped collective, and what they sum to."""
     tokens = shape.seq * shape.micro_batch // shape.cp
-    per_a2a = tokens * shape.topk * shape.hidden * 2  # bf16 tokens out of this rank
+    # bf16 token rows out of this rank (the static dispatch's slots: capacity-padded)
+    per_a2a = tokens * shape.topk * shape.hidden * 2 * shape.a2a_rows_factor
     ep_remote = spans_nodes(shape.ep, shape.etp * shape.tp, gpus_per_node)
     a2a_bw = links.nic if ep_remote else links.a2a_nvlink  # an all-to-all gets one NIC
     a2a_count = 4 * shape.moe_layers * shape.micro_batches

@@ -85,3 +85,17 @@ def test_the_predicted_step_adds_the_exposed_communication():
     assert got["step_overlapped_ms"] == 120.0  # 40 ms of the 50 hidden behind fwd+bwd
     assert got["tflops_exposed"] == pytest.approx(300.0 * 100 / 160)
     assert got["tflops_overlapped"] == pytest.approx(300.0 * 100 / 120)
+
+
+def test_the_static_dispatch_sends_its_capacity_padded_slots():
+    flags = ("--use-distributed-optimizer", "--global-batch-size", "32")
+    dynamic = comm_model.predict(comm_model.shape_of(qwen3(*flags), 32), LINKS)
+    static = comm_model.shape_of(qwen3(*flags, "--moe-static-dispatch"), 32)
+    assert static.a2a_rows_factor == 2.0  # the flag's default
+    assert comm_model.predict(static, LINKS)["a2a_ms"] == pytest.approx(2 * dynamic["a2a_ms"])
+    lower = comm_model.shape_of(
+        qwen3(*flags, "--moe-static-dispatch", "--moe-static-dispatch-capacity-factor", "1.25"), 32
+    )
+    got = comm_model.predict(lower, LINKS)
+    assert got["a2a_ms"] == pytest.approx(1.25 * dynamic["a2a_ms"])
+    assert got["grad_ms"] == pytest.approx(dynamic["grad_ms"])  # data-parallel traffic unchanged
