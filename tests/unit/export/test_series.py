@@ -80,6 +80,13 @@ def _in_tree(tree, *argv, interpret=False, world_size=None):
     )
 
 
+# upstream's own tests of the arguments and of ModelParallelConfig that run on CPU
+UPSTREAM_CPU_TESTS = (
+    "tests/unit_tests/test_argument_utils.py",
+    "tests/unit_tests/test_model_parallel_config.py",
+)
+
+
 def _git(tree, *argv):
     ident = ["-c", "user.name=Reviewer", "-c", "user.email=reviewer@example.com"]
     return subprocess.run(
@@ -115,11 +122,12 @@ def test_the_series_applies_in_order_with_author_date_and_index_lines(series):
 
 
 def test_the_edited_tree_passes_upstreams_tests_and_its_help_works(series):
-    """Upstream's test file with the --help change's new tests (which fail without its code edit:
-    the next test), and pretrain_gpt.py --help itself."""
+    """Upstream's CPU tests of the arguments and of the config the series edits, with the --help
+    change's new tests (which fail without its code edit: the next test), and pretrain_gpt.py
+    --help itself."""
     _, _, edited, _ = series
     tests = ["-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--noconftest"]
-    run = _in_tree(edited, *tests, "tests/unit_tests/test_argument_utils.py")
+    run = _in_tree(edited, *tests, *UPSTREAM_CPU_TESTS)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
     assert len(re.findall(r"^PASSED .*::TestArgumentGroupFactoryHelpText::", run.stdout, re.M)) == 2
     helped = _in_tree(edited, "pretrain_gpt.py", "--help")
