@@ -1,0 +1,125 @@
+"""The patch series on one GPU: a Megatron-LM core_r0.19.0 checkout (the snapshot at
+``MEGATRON_LM_SNAPSHOTS``) with ``export --series`` applied by ``git am -3``, run with the overlay
+off (``MEGATRON_PATCHSET=off``) and the checkout first on ``PYTHONPATH``, trains as the overlay does
+on the installed megatron-core, bit for bit under ``--deterministic-mode``:
+
+* without any feature's flags (the checkout against the installed wheel, the baseline of the rest);
+* for each change of the series that has a training path, the overlay's flags against the flags
+  the change adds to upstream (:data:`CHANGE_RUNS`).
+
+Skips without the snapshots.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.patchset.export import changes
+from tests.gpu.conftest import ROOT, first_difference, launch_many, tiny_argv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
+
+SNAPSHOTS = os.environ.get(
+    "MEGATRON_LM_SNAPSHOTS", os.path.join(os.path.dirname(ROOT), "shared", "upstream")
+)
+BRANCH = "core_r0.19.0"
+ITERS = 10
+DETERMINISTIC = (
+    "--deterministic-mode",
+    "--te-rng-tracker",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--no-check-for-nan-in-loss-and-grad",
+)
+# change name: (the overlay's flags, the flags of the edited upstream tree), each added to the
+# tiny config and DETERMINISTIC
+CHANGE_RUNS = {
+    "triton_cross_entropy": (
+        ("--cross-entropy-loss-fusion", "--cross-entropy-triton"),
+        ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "triton"),
+    ),
+}
+
+
+def _run(*argv, cwd):
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    checkout_sh = os.path.join(SNAPSHOTS, "checkout.sh")
+    if not os.path.isfile(checkout_sh):
+        pytest.skip(f"no Megatron-LM snapshots at {SNAPSHOTS} (set MEGATRON_LM_SNAPSHOTS)")
+    root = tmp_path_factory.mktemp("series")
+    tree = str(root / "megatron-lm")
+    _run("bash", checkout_sh, BRANCH, tree, cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_PATCHSET"}
+    export = [sys.executable, "-m", "megatron.patchset", "export", "--series"]
+    export += ["--megatron-lm", tree, "--out", str(root / "patches")]
+    export += ["--author", "Jane Doe <jane@example.com>", "--date", "2026-11-27T12:00:00+00:00"]
+    done = subprocess.run(export, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    patches = sorted(str(p) for p in (root / "patches").glob("*.patch"))
+    ident = ["-c", "user.name=Reviewer", "-c", "user.email=reviewer@example.com"]
+    _run("git", "-C", tree, *ident, "am", "-3", *patches, cwd=ROOT)
+    # The checkout first; what the environment already has on the path stays behind it.
+    inherited = os.environ.get("PYTHONPATH", "")
+    edited = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [tree, inherited])),
+        "MEGATRON_PATCHSET": "off",
+    }
+    # what the launcher's path (this checkout, then the edited tree) imports as megatron.core
+    where = subprocess.run(
+        [sys.executable, "-c", "import megatron.core as m; print(m.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **edited, "PYTHONPATH": os.pathsep.join([ROOT, edited["PYTHONPATH"]])},
+        timeout=600,
+    ).stdout.strip()
+    assert where.startswith(tree), where
+    tmp = tmp_path_factory.mktemp("series_runs")
+    base = tiny_argv("--train-iters", str(ITERS), *DETERMINISTIC)
+    jobs = [
+        dict(tmp_path=tmp, name="overlay_plain", nproc=1, argv=base),
+        dict(tmp_path=tmp, name="series_plain", nproc=1, argv=base, env=edited),
+    ]
+    in_series = {change.name for change in changes.series()}
+    for name, (overlay, upstream) in CHANGE_RUNS.items():
+        if name in in_series:
+            jobs += [
+                dict(tmp_path=tmp, name=f"overlay_{name}", nproc=1, argv=base + list(overlay)),
+                dict(
+                    tmp_path=tmp,
+                    name=f"series_{name}",
+                    nproc=1,
+                    argv=base + list(upstream),
+                    env=edited,
+                ),
+            ]
+    return tree, launch_many(jobs)
+
+
+def _bitwise(ours, theirs):
+    assert len(ours.losses) == len(theirs.losses) == ITERS
+    assert first_difference(ours.losses, theirs.losses) is None, (ours.name, theirs.name)
+    assert first_difference(ours.grad_norms, theirs.grad_norms) is None, (ours.name, theirs.name)
+
+
+def test_the_edited_checkout_without_feature_flags_trains_as_the_installed_wheel(runs):
+    _, done = runs
+    _bitwise(done["series_plain"], done["overlay_plain"])
+
+
+@pytest.mark.parametrize("name", sorted(CHANGE_RUNS))
+def test_each_change_trains_on_the_checkout_as_in_the_overlay(runs, name):
+    _, done = runs
+    if f"series_{name}" not in done:
+        pytest.fail(f"{name} is not in the series")
+    _bitwise(done[f"series_{name}"], done[f"overlay_{name}"])
