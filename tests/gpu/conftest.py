@@ -63,6 +63,7 @@ PARTS = {
         ),
         (
             "test_export.py",
+            "test_export_series.py",
             "features/static_dispatch",
             "features/triton_cross_entropy",
             "features/flex_dispatch",
