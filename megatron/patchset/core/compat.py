@@ -192,6 +192,161 @@ def _help_percent_signs(original):
     return edits.edited_function(original, HELP_EDIT)
 
 
+CHECKPOINT_SOURCE = "megatron/training/checkpointing.py"
+CHECKPOINT_TESTS = "tests/unit_tests/test_checkpointing.py"
+
+
+def _exit_one(definition: str, before: str, after: str = "") -> edits.Replace:
+    """``sys.exit()`` -> ``sys.exit(1)`` in ``definition``, the call found by the text around it."""
+    return edits.Replace(
+        CHECKPOINT_SOURCE,
+        definition,
+        old=f"{before}sys.exit()\n{after}",
+        new=f"{before}sys.exit(1)\n{after}",
+    )
+
+
+# Every bare sys.exit() of checkpointing.py that main still has. The sixth one of 0.19.x, after
+# "--exit-on-missing-checkpoint set ... exiting", is sys.exit(1) on main already, so the change
+# leaves it out; the overlay's stand-in below covers it on 0.19.2.
+CHECKPOINT_EXIT_EDITS = (
+    _exit_one("read_metadata", "                "),
+    _exit_one(
+        "fix_query_key_value_ordering",
+        "                    ",
+        "                param.data.copy_(fixed_param)\n            if name",
+    ),
+    _exit_one(
+        "fix_query_key_value_ordering",
+        "                    ",
+        "                param.data.copy_(fixed_param)\n        print_rank_0(",
+    ),
+    _exit_one("_load_base_checkpoint", "            print(e)\n            "),
+    _exit_one("load_checkpoint", "                ", "    num_floating_point_operations_so_far"),
+    _exit_one(
+        "load_checkpoint", "'exiting ...'.format(checkpoint_name)\n            )\n            "
+    ),
+)
+
+CHECKPOINT_EXIT_CHANGE = changes.UpstreamChange(
+    name="checkpoint_exit_status",
+    subject="checkpointing: exit with status 1 when a checkpoint cannot be loaded",
+    motivation="""
+        When megatron/training/checkpointing.py cannot load a checkpoint it prints why and calls
+        sys.exit() without a status, so the job ends with exit status 0. A launcher, a
+        scheduler or a CI harness then takes the failed load for a finished run (and may
+        start the next stage on a model that was never loaded). Six calls do this: a
+        tracker file that holds neither an iteration nor 'release' (read_metadata), an
+        unknown checkpoint version older than 2.0 (fix_query_key_value_ordering, twice), a
+        legacy checkpoint file that torch.load cannot read (_load_base_checkpoint), and a
+        checkpoint without its iteration or its RNG state (load_checkpoint). main already
+        exits with status 1 when --exit-on-missing-checkpoint finds no checkpoint; the
+        others still exit with 0.""",
+    design="""
+        sys.exit() becomes sys.exit(1) at each of these calls, as main does for
+        --exit-on-missing-checkpoint. The messages printed before them are unchanged, and so
+        is every successful path. Raising an exception instead would change what callers
+        that catch SystemExit see; the status alone is what was wrong.""",
+    figures="""
+        Not a performance change. Without it, each of the six calls raises SystemExit with
+        code None (exit status 0); with it, with code 1. The new tests check each call on
+        CPU.""",
+    test_plan="""
+        $ pytest tests/unit_tests/test_checkpointing.py -k "exits_with_status_one"
+
+        Six new tests, one per call (fix_query_key_value_ordering twice), each a CPU test
+        without torch.distributed: an unparsable tracker file, checkpoint version 1.5 for a
+        query_key_value and a key_value parameter, an unreadable legacy checkpoint file,
+        and load_checkpoint on a checkpoint without 'iteration' and one without its RNG
+        state. Each fails without the change (the exit status is None) and passes with it.""",
+    edits=CHECKPOINT_EXIT_EDITS
+    + (
+        edits.Replace(
+            CHECKPOINT_TESTS,
+            "",
+            old="    _load_base_checkpoint,\n    get_checkpoint_tracker_filename,\n",
+            new="    _load_base_checkpoint,\n    fix_query_key_value_ordering,\n"
+            "    get_checkpoint_tracker_filename,\n",
+        ),
+        edits.InsertAfter(
+            CHECKPOINT_TESTS,
+            "test_read_metadata_non_distributed",
+            text='''
+
+def test_read_metadata_invalid_tracker_exits_with_status_one(tmp_path):
+    """A tracker file that holds neither an iteration nor 'release' fails the job."""
+    tracker_file = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker_file.write_text("not-an-iteration")
+
+    with mock.patch('torch.distributed.is_initialized', return_value=False):
+        with pytest.raises(SystemExit) as exc_info:
+            read_metadata(str(tracker_file))
+
+    assert exc_info.value.code == 1
+
+
+@pytest.mark.parametrize("name", ["query_key_value", "key_value"])
+def test_fix_query_key_value_ordering_unknown_version_exits_with_status_one(name):
+    """A checkpoint version below 2.0 other than 0 and 1.0 fails the job."""
+    model = torch.nn.ModuleDict({"attention": torch.nn.ModuleDict({name: torch.nn.Linear(2, 6)})})
+
+    with pytest.raises(SystemExit) as exc_info:
+        fix_query_key_value_ordering(model, checkpoint_version=1.5)
+
+    assert exc_info.value.code == 1
+
+
+def test_load_base_checkpoint_unreadable_legacy_file_exits_with_status_one(tmp_path):
+    """A legacy checkpoint file that torch.load cannot read fails the job."""
+    args = SimpleNamespace(
+        non_persistent_global_ckpt_dir=None,
+        non_persistent_ckpt_type=None,
+        exit_on_missing_checkpoint=False,
+    )
+    with open(get_checkpoint_tracker_filename(str(tmp_path)), "w") as f:
+        f.write("10")
+    rank_dir = tmp_path / "iter_0000010" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "model_optim_rng.pt").write_bytes(b"not a checkpoint")
+
+    with mock.patch('torch.distributed.is_initialized', return_value=False):
+        with pytest.raises(SystemExit) as exc_info:
+            _load_base_checkpoint(str(tmp_path), args, rank0=True)
+
+    assert exc_info.value.code == 1
+
+
+@pytest.mark.parametrize(
+    "state_dict", [{"model": {}}, {"iteration": 10, "model": {}}], ids=["iteration", "rng_state"]
+)
+def test_load_checkpoint_missing_state_exits_with_status_one(state_dict):
+    """A checkpoint without its iteration or without its RNG state fails the job."""
+    args = SimpleNamespace(
+        load="checkpoint",
+        ckpt_format="torch",
+        auto_detect_ckpt_format=False,
+        finetune=False,
+        no_load_optim=True,
+        no_load_rng=False,
+        fp16=False,
+        bf16=False,
+    )
+    set_args(args)
+
+    with mock.patch(
+        "megatron.training.checkpointing._load_base_checkpoint",
+        return_value=(state_dict, "checkpoint", False, CheckpointType.LEGACY),
+    ):
+        with pytest.raises(SystemExit) as exc_info:
+            load_checkpoint([torch.nn.Module()], None, None)
+
+    assert exc_info.value.code == 1
+''',
+        ),
+    ),
+)
+
+
 CHECKPOINT_EXIT_MESSAGE = (
     "megatron-patchset: megatron-core stopped loading the checkpoint (its message is above); "
     "exit status 1"
