@@ -17,7 +17,12 @@ takes the help of its config fields from their docstrings, one of which holds a 
 (a tracker file it cannot parse, ``--exit-on-missing-checkpoint``, a checkpoint without its
 iteration or RNG state) with a bare ``sys.exit()``, status 0, so a launcher or scheduler takes
 the failure for a finished run. The replacement of the loader module's ``sys`` exits with status
-1 and one line saying so; every other name is the real ``sys``.
+1 and one line saying so; every other name is the real ``sys``. The upstream form of this fix is
+the change ``CHECKPOINT_EXIT_CHANGE`` of ``export --series``: ``sys.exit(1)`` at the six bare
+calls main still has (main already exits with 1 after ``--exit-on-missing-checkpoint``). The
+stand-in is kept for the overlay because the calls sit in four functions, one of them
+(``load_checkpoint``) bound by name in ``megatron.training.training``; it covers the six calls
+and main's seventh (tests/unit/export/test_series_small.py checks that).
 
 All three are applied before the command line is parsed (``registry.apply(None)``).
 """

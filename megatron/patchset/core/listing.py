@@ -53,7 +53,7 @@ def _patch_lines(
 
 def _export_line(feature: features.Feature) -> str:
     """Whether ``python -m megatron.patchset export`` can export the feature, and if not why."""
-    from megatron.patchset.export.changes import series
+    from megatron.patchset.export.changes import refusals, series
     from megatron.patchset.export.plan import exportability
 
     if feature.name in {change.name for change in series()}:
@@ -61,7 +61,9 @@ def _export_line(feature: features.Feature) -> str:
         return f"yes, in the patch series ({command})"
     reason = exportability(feature)
     if reason is None:
-        return "yes (python -m megatron.patchset export --feature " + feature.name + ")"
+        line = "yes (python -m megatron.patchset export --feature " + feature.name + ")"
+        refusal = refusals().get(feature.name)
+        return line if refusal is None else f"{line}; not in the patch series: {refusal.short}"
     return "no (fork-only)" if reason.startswith("fork-only") else f"no ({reason})"
 
 

@@ -76,12 +76,31 @@ SERIES = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A feature the series cannot hold, and why (the upstream difference that blocks it)."""
+
+    name: str
+    reason: str
+    short: str  # one line for ``--list``
+
+
+# module:attribute of each Refusal: named with --series --feature, refused with its reason
+REFUSALS = ("megatron.patchset.features.p2p_overlap.upstream:REFUSAL",)
+
+
+def _load(spec: str):
+    module, _, attribute = spec.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def refusals() -> dict[str, Refusal]:
+    """``{feature name: why it is not in the series}``."""
+    return {refusal.name: refusal for refusal in map(_load, REFUSALS)}
+
+
 def series() -> list[UpstreamChange]:
-    changes = []
-    for spec in SERIES:
-        module, _, attribute = spec.partition(":")
-        changes.append(getattr(importlib.import_module(module), attribute))
-    return changes
+    return [_load(spec) for spec in SERIES]
 
 
 def select(names: list[str] | None) -> list[UpstreamChange]:
@@ -92,6 +111,14 @@ def select(names: list[str] | None) -> list[UpstreamChange]:
         return changes
     known = {change.name: change for change in changes}
     unknown = [name for name in names if name not in known]
+    refused = refusals()
+    blocked = [name for name in unknown if name in refused]
+    if blocked:
+        raise PatchsetError(
+            "; ".join(
+                f"{name}: not in the patch series: {refused[name].reason}" for name in blocked
+            )
+        )
     if unknown:
         from megatron.patchset.core import features
 

@@ -109,3 +109,33 @@ def test_the_overlay_covers_the_changes_calls_and_mains_fix():
     left = [m.start() for m in BARE_EXIT.finditer(source)]
     assert before == 7 and len(left) == 1
     assert "'--exit-on-missing-checkpoint' set" in source[left[0] - 300 : left[0]]
+
+
+def test_p2p_overlap_is_refused_naming_the_context_method_upstream_renamed(
+    checkpoint_series, tmp_path
+):
+    """``--series --feature p2p_overlap`` refuses, naming get_low_precision_context (0.19.2,
+    which its schedule plan calls) and get_fp8_context (this snapshot); the names are checked
+    in both trees, and nothing is written."""
+    import megatron.core
+
+    from megatron.patchset.features.p2p_overlap import upstream
+
+    _, plain, _, _ = checkpoint_series
+    done = _export(plain, tmp_path / "p2p", "--feature", "p2p_overlap")
+    assert done.returncode == 1, done.stdout + done.stderr
+    message = done.stderr
+    assert "export refused: p2p_overlap: not in the patch series:" in message
+    for name in ("get_low_precision_context", "get_fp8_context", upstream.SCHEDULE_PLAN):
+        assert name in message
+    assert not (tmp_path / "p2p").exists()
+
+    snapshot = open(os.path.join(plain, upstream.SCHEDULE_PLAN)).read()
+    assert "def get_fp8_context(self):" in snapshot
+    assert "get_low_precision_context" not in snapshot
+    wheel = os.path.join(os.path.dirname(os.path.dirname(megatron.core.__file__)), "..")
+    installed = open(os.path.join(wheel, upstream.SCHEDULE_PLAN)).read()
+    assert "def get_low_precision_context(self):" in installed
+    assert "get_fp8_context" not in installed
+    fork = os.path.join(os.path.dirname(upstream.__file__), "schedule_plan.py")
+    assert "get_low_precision_context()" in open(fork).read()
