@@ -28,6 +28,15 @@ TINY = os.path.join(ROOT, "examples", "configs", "tiny_moe.args")
 UPSTREAM_SCRIPT = os.environ.get(
     "MEGATRON_LM_PRETRAIN_GPT", os.path.join(ROOT, ".upstream", "megatron-lm", "pretrain_gpt.py")
 )
+# Flags under which two runs of the same model are compared bit for bit.
+DETERMINISTIC = (
+    "--deterministic-mode",
+    "--te-rng-tracker",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+)
 # Megatron-LM's own script, unmodified: entry=[UPSTREAM_ENTRY, UPSTREAM_SCRIPT].
 UPSTREAM_ENTRY = os.path.join(ROOT, "tools", "bench", "run_upstream.py")
 

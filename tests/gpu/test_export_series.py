@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from megatron.patchset.export import changes
-from tests.gpu.conftest import ROOT, first_difference, launch_many, tiny_argv
+from tests.gpu.conftest import DETERMINISTIC, ROOT, first_difference, launch_many, tiny_argv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
@@ -26,17 +26,9 @@ SNAPSHOTS = os.environ.get(
 )
 BRANCH = "core_r0.19.0"
 ITERS = 10
-DETERMINISTIC = (
-    "--deterministic-mode",
-    "--te-rng-tracker",
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--no-check-for-nan-in-loss-and-grad",
-)
+NUMERICS = (*DETERMINISTIC, "--no-check-for-nan-in-loss-and-grad")
 # change name: (the overlay's flags, the flags of the edited upstream tree), each added to the
-# tiny config and DETERMINISTIC
+# tiny config and NUMERICS
 CHANGE_RUNS = {
     "triton_cross_entropy": (
         ("--cross-entropy-loss-fusion", "--cross-entropy-triton"),
@@ -85,7 +77,7 @@ def runs(tmp_path_factory):
     ).stdout.strip()
     assert where.startswith(tree), where
     tmp = tmp_path_factory.mktemp("series_runs")
-    base = tiny_argv("--train-iters", str(ITERS), *DETERMINISTIC)
+    base = tiny_argv("--train-iters", str(ITERS), *NUMERICS)
     jobs = [
         dict(tmp_path=tmp, name="overlay_plain", nproc=1, argv=base),
         dict(tmp_path=tmp, name="series_plain", nproc=1, argv=base, env=edited),

@@ -15,21 +15,12 @@ import pytest
 
 from megatron.patchset import recipes
 from megatron.patchset.core import argsfile
-from tests.gpu.conftest import ROOT, first_difference, launch, launch_many, tiny_argv
+from tests.gpu.conftest import DETERMINISTIC, ROOT, first_difference, launch, launch_many, tiny_argv
 
 pytestmark = pytest.mark.gpu
 
 ITERS, EXIT = 20, 10
-NUMERICS = (
-    "--deterministic-mode",
-    "--te-rng-tracker",
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--train-iters",
-    str(ITERS),
-)
+NUMERICS = (*DETERMINISTIC, "--train-iters", str(ITERS))
 
 
 def deterministic(flags):

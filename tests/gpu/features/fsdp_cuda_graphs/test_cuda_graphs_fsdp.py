@@ -19,6 +19,7 @@ import os
 import pytest
 
 from tests.gpu.conftest import (
+    DETERMINISTIC,
     UPSTREAM_ENTRY,
     UPSTREAM_SCRIPT,
     first_difference,
@@ -40,14 +41,7 @@ FSDP = (
     "--fsdp-double-buffer",
     "--fsdp-db-use-persist-buf-on-alloc-fail",
 )
-NUMERICS = (
-    "--deterministic-mode",
-    "--te-rng-tracker",
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-)
+NUMERICS = DETERMINISTIC
 SCOPES = {
     "attn": ("attn",),
     "attn_router_preprocess": ("attn", "moe_router", "moe_preprocess"),
