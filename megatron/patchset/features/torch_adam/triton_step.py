@@ -1,28 +1,30 @@
-"""The clipped AdamW step and the copy to bf16 in one Triton kernel (``--adam-impl triton``).
+"""Adam and AdamW as one Triton kernel that also writes the bf16 model parameters.
 
-With ``--adam-impl torch`` a bf16 step is three passes over the parameters: torch's fused AdamW
-(which, given a ``grad_scale``, also writes the scaled gradients back) and megatron's copy of the
-fp32 main parameters to the bf16 model parameters. They move 38 bytes per parameter. One kernel
-that reads the gradient, parameter and both moments and writes the parameter, both moments and
-the bf16 copy moves 30; with ``--adam-moments-dtype bf16`` (both moments kept in bf16, the
-update still computed in fp32) it moves 22.
+With bf16 training a mixed-precision Adam step is two passes over the parameters: the Adam kernel
+reads the fp32 gradient, the fp32 main parameter and both moments and writes the parameter and
+both moments back, and the optimizer's copy then reads the fp32 main parameter again and writes
+the bf16 model parameter. With a gradient scale (gradient clipping folded into the step, as
+torch's fused kernel takes it) torch's kernel also writes the scaled gradient back: 38 bytes per
+parameter in all. One kernel that reads the gradient, the parameter and both moments and writes
+the parameter, both moments and the bf16 model parameter moves 30; with both moments kept in
+bf16 (the update still computed in fp32) it moves 22.
 
 :class:`TritonAdamW` (and :class:`TritonAdam`, Adam with L2 weight decay) is torch's optimizer
 class with its own ``step``: the same state (``exp_avg``, ``exp_avg_sq`` and a 0-d fp32 ``step``
 per parameter on its device, as torch's fused and capturable optimizers keep it), the same
-``state_dict``, the same update rule as torch's fused kernel, and megatron's clip as the
-optimizer's ``grad_scale`` (:mod:`.clipping`). The learning rate may be a device tensor (the
-capturable form megatron's scheduler fills in place).
+``state_dict``, the same update rule as torch's fused kernel, and an optional ``grad_scale``
+attribute (a 0-d fp32 tensor each gradient is divided by as it is read). The learning rate may
+be a device tensor (the capturable form, which ``OptimizerParamScheduler`` fills in place); the
+step reads every tensor on the device, so it can be captured in a CUDA graph.
 
 The model parameter of each main parameter comes from the parameters the optimizer was built
-with: megatron-core builds Adam over the bf16 model parameters, and its
+with: Megatron builds Adam over the bf16 model parameters, and its
 ``Float16OptimizerWithFloat16Params`` then puts the fp32 main copy in the same place of the same
 group and links it as ``model_param.main_param``. A parameter whose link does not hold gets no
-bf16 write. Under megatron's distributed optimizer the main tensors are shards in groups of its
-own, and it gives the step each shard's bf16 view instead (:meth:`TritonStep.link_model_shards`,
-:mod:`.distributed`). :meth:`TritonStep.take_model_copy` tells the patched copy of megatron
-(:mod:`.param_copy`, :mod:`.distributed`) that the last step already wrote every model tensor it
-would copy.
+bf16 write. A caller whose main tensors are shards of the model parameters (the distributed
+optimizer) gives the step each shard's bf16 view instead (:meth:`TritonStep.link_model_shards`).
+:meth:`TritonStep.take_model_copy` tells the owner of the main parameters that the last step
+already wrote every model tensor it would copy.
 
 One launch covers all tensors: a table gives each program its tensor and block. Addresses reach
 the kernel as element offsets from one fp32 and one bf16 anchor tensor; when every address is 16
@@ -30,16 +32,16 @@ bytes aligned the kernel says so, and its loads and stores are vectorised. The b
 are computed in fp64 in the kernel (``1 - beta ** step``), the element-wise update in fp32 in
 torch's order of operations. Without Triton, or on a CPU tensor outside Triton's interpreter
 (``TRITON_INTERPRET=1``), or for tensors the kernel does not take (not fp32, not contiguous), the
-step is torch's fused one and megatron copies the parameters itself.
+step is torch's own one.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 
 import torch
-
-from megatron.patchset.core.triton_kernels import triton_runs_on
 
 BLOCK = 512
 NUM_WARPS = 4
@@ -148,8 +150,10 @@ def _kernel():
 
 def available(device) -> bool:
     """Whether the kernel runs on ``device``: CUDA with Triton, or any device under Triton's
-    interpreter."""
-    return triton_runs_on(device)
+    interpreter (``TRITON_INTERPRET=1``)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 class _Plan:
@@ -201,15 +205,22 @@ class _Plan:
 class TritonStep:
     """The ``step`` of :class:`TritonAdamW` / :class:`TritonAdam` (a mixin over torch's class).
 
-    ``moments_dtype`` (``torch.float32`` or ``torch.bfloat16``, ``--adam-moments-dtype``) is the
-    dtype the two moments are kept in; the update itself is computed in fp32.
+    ``moments_dtype`` (``torch.float32``, the default, or ``torch.bfloat16``) is the dtype the two
+    moments are kept in; the update itself is computed in fp32. The other arguments are those of
+    torch's class.
     """
 
     adamw = True
     moments_dtype = torch.float32
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, moments_dtype=None, **kwargs):
+        if moments_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"moments_dtype must be torch.float32 or torch.bfloat16, not {moments_dtype}"
+            )
         super().__init__(*args, **kwargs)
+        if moments_dtype is not None:
+            self.moments_dtype = moments_dtype
         self._remember_model_params()
 
     def _remember_model_params(self) -> None:
@@ -339,6 +350,8 @@ class TritonStep:
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One Adam step of all parameters with a gradient, as torch's ``step``: one kernel launch
+        where the kernel takes the tensors, torch's own step otherwise."""
         self._wrote_model_params = False
         for group in self.param_groups:
             if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
