@@ -300,5 +300,25 @@ def test_configs_without_the_changes_are_checked_as_before(series, tmp_path):
         run = _in_tree(tree, "-c", PARSE, str(out), str(tmp_path / "runs.json"), world_size=1)
         assert run.returncode == 0, run.stderr[-3000:]
         parsed[label] = json.load(open(out))
+    added = new_arguments(parsed["plain"], parsed["edited"])
     assert parsed["plain"] == parsed["edited"] and len(parsed["plain"]) == len(runs)
     assert sum(isinstance(v, dict) for v in parsed["plain"].values()) >= 10
+    assert all(value == repr(DEFAULTS_OF_NEW_ARGUMENTS[k]) for k, value in added.items()), added
+
+
+# The arguments a change of the series adds to upstream's parser, with their defaults: a run
+# without the change's flags must hold exactly these on the edited tree.
+DEFAULTS_OF_NEW_ARGUMENTS = {"adam_fusion_impl": "auto"}
+
+
+def new_arguments(plain, edited):
+    """Take the arguments only the edited tree defines out of ``edited``'s parsed runs (in place);
+    returns {name: repr of its value}, which must be one value in every run."""
+    added = {}
+    for name, parsed in edited.items():
+        if not isinstance(parsed, dict) or not isinstance(plain.get(name), dict):
+            continue
+        for key in [k for k in parsed if k not in plain[name]]:
+            value = parsed.pop(key)
+            assert added.setdefault(key, value) == value, (name, key, value)
+    return added

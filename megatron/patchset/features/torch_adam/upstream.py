@@ -1,0 +1,282 @@
+"""The upstream change of this feature, as ``export --series`` writes it.
+
+Upstream's form of the choice is an ``OptimizerConfig`` field, ``adam_fusion_impl`` ('auto',
+'torch' or 'triton'; flag ``--adam-fusion-impl``), routed where megatron-core picks its Adam class
+in ``_get_megatron_optimizer_based_on_param_groups``. The bf16 moments are upstream's own
+``exp_avg_dtype`` / ``exp_avg_sq_dtype`` set to bf16, which ``__post_init__`` accepts with
+'triton' only. The kernel's file is this feature's :mod:`.triton_step`, as the overlay runs it;
+the tests are ``upstream/test_triton_adam.py`` beside this module.
+
+The change is the kernel and its plain use: eager and captured steps, megatron's bf16 optimizer
+skipping its copy when the kernel wrote the model parameters. Folding megatron's clip into the
+step (``grad_scale``) and the distributed optimizer (the step in its checkpoint when
+TransformerEngine is installed, the bf16 shard writes) are not part of it: ``__post_init__``
+refuses ``use_distributed_optimizer`` with 'torch' or 'triton'.
+"""
+
+from megatron.patchset.export.changes import UpstreamChange
+from megatron.patchset.export.edits import NewFile, Replace
+
+HEADER = "# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.\n\n"
+CONFIG = "megatron/core/optimizer/optimizer_config.py"
+FACTORY = "megatron/core/optimizer/__init__.py"
+MIXED = "megatron/core/optimizer/optimizer.py"
+ARGUMENTS = "megatron/training/arguments.py"
+CHANGE = UpstreamChange(
+    name="torch_adam",
+    subject="optimizer: torch's fused AdamW or one Triton kernel as adam_fusion_impl",
+    motivation="""
+        With TransformerEngine installed, --optimizer adam is always TE's FusedAdam (Apex's
+        without TE; torch's AdamW only when neither is installed). Under --optimizer-cuda-graph
+        megatron asks it to be capturable, and TE's capturable kernel is slower than its eager
+        one: on a 3.74B-parameter MoE config with fp32 main parameters one H200 spends 47.4 ms in
+        it per step, against 30.8 ms eager. torch's fused AdamW is capturable without that cost.
+        With bf16 parameters the step is also two passes over the parameters: Adam reads the
+        gradient, the parameter and both moments and writes three of them back, and
+        Float16OptimizerWithFloat16Params then reads each fp32 main parameter again to write its
+        bf16 copy.""",
+    design="""
+        A new OptimizerConfig field, adam_fusion_impl (flag --adam-fusion-impl), picks the Adam
+        class where _get_megatron_optimizer_based_on_param_groups builds it. 'auto' (the
+        default) keeps today's choice. 'torch' builds torch.optim.AdamW (torch.optim.Adam
+        without decoupled_weight_decay) with fused=True. 'triton' builds TritonAdamW /
+        TritonAdam (megatron/core/optimizer/triton_adam.py): torch's class, state and
+        state_dict, with a step that is one Triton kernel over all parameters. Each program
+        takes one block of one tensor from a table; the bias corrections are computed in fp64,
+        the update in fp32 in the order of torch's fused kernel, and the bf16 model parameter
+        of each main parameter (linked by Float16OptimizerWithFloat16Params as
+        model_param.main_param) is written in the same kernel, rounded to nearest even as
+        copy_ does. Float16OptimizerWithFloat16Params then skips its copy when the step wrote
+        every model parameter it would copy (take_model_copy). Where the kernel cannot run (no
+        Triton, a CPU tensor outside TRITON_INTERPRET=1, a tensor that is not fp32 and
+        contiguous) the step is torch's fused one and the copy runs as before.
+
+        Both are capturable under optimizer_cuda_graph: the learning rate of each parameter
+        group becomes a 0-d device tensor, which OptimizerParamScheduler already fills in
+        place, so a replayed step follows the schedule. With 'triton', exp_avg_dtype and
+        exp_avg_sq_dtype may both be torch.bfloat16 without the precision-aware optimizer: the
+        kernel keeps both moments in bf16 (4 bytes per parameter less) and computes the update
+        in fp32.
+
+        OptimizerConfig.__post_init__ refuses 'torch' and 'triton' with another optimizer, with
+        the precision-aware optimizer and CPU offload (their state is TE's FusedAdam's and the
+        hybrid optimizer's), and with the distributed optimizer: with TransformerEngine
+        installed its checkpoint keeps the step as FusedAdam does (one per parameter group),
+        torch's Adam keeps one per parameter. A follow-up change takes that on, with the
+        kernel writing the distributed optimizer's bf16 shards and megatron's gradient clip
+        folded into the step as torch's grad_scale.""",
+    figures="""
+        One H200, torch 2.11.0+cu130, megatron-core 0.19.2, TransformerEngine 2.20.2,
+        2026-11-24, the tensor shapes of a 3.74B-parameter MoE config, each form replayed as a
+        CUDA graph: torch's fused capturable AdamW over 1.0B parameters 7.95 ms; the whole bf16
+        step over 1.0B parameters with the clip folded into the step (the follow-up's form):
+        torch's fused AdamW plus one multi-tensor bf16 copy 11.09 ms, the Triton kernel 7.61 ms,
+        with the same bf16 copies to the bit. The training step of that config at 1x4096 tokens
+        with full-iteration CUDA graphs and the follow-up's clip folding: 125.4 ms with TE's
+        FusedAdam, 108.6 ms with 'torch', 93.5 ms with 'triton'; bf16 moments lowered the peak
+        memory at 4x4096 tokens from 81.58 to 67.66 GiB (195.9 -> 190.8 ms per step, 2026-11-27).
+        This change alone (without the clip folding) was not measured separately.""",
+    test_plan="""
+        $ TRITON_INTERPRET=1 pytest tests/unit_tests/optimizer/test_triton_adam.py
+        $ pytest tests/unit_tests/optimizer/test_triton_adam.py
+
+        The kernel's steps against torch.optim.AdamW and Adam (fp32 moments within 1e-6, bf16
+        moments against a reference that rounds them after each fp32 update), the bf16 model
+        parameter write, the state_dict round trip, the factory's classes and capturable
+        learning rates, and the config checks; on a GPU, or on CPU under Triton's
+        interpreter (the factory and config tests run on CPU either way).""",
+    edits=(
+        NewFile(
+            "megatron/core/optimizer/triton_adam.py",
+            "features/torch_adam/triton_step.py",
+            header=HEADER,
+        ),
+        Replace(
+            CONFIG,
+            "OptimizerConfig",
+            old='''\
+    decoupled_weight_decay: bool = True
+    """If true, decouples weight decay from the gradient update, equivalent to AdamW. If false,
+    original Adam update rule will be used. Defaults to True.
+    """
+''',
+            new='''\
+    decoupled_weight_decay: bool = True
+    """If true, decouples weight decay from the gradient update, equivalent to AdamW. If false,
+    original Adam update rule will be used. Defaults to True.
+    """
+
+    adam_fusion_impl: str = 'auto'
+    """Implementation of the Adam step. If 'auto', TransformerEngine's FusedAdam is used (Apex's
+    without TransformerEngine, torch.optim.AdamW without either). If 'torch', torch.optim.AdamW
+    (torch.optim.Adam without decoupled_weight_decay) with fused=True. If 'triton', the same
+    optimizer class and state, stepped by one Triton kernel that also writes the bf16 model
+    params; it keeps both moments in bf16 when exp_avg_dtype and exp_avg_sq_dtype are
+    torch.bfloat16. With 'torch' and 'triton', optimizer_cuda_graph makes each param group's
+    learning rate a device tensor. Defaults to 'auto'.
+    """
+''',
+        ),
+        Replace(
+            CONFIG,
+            "OptimizerConfig.__post_init__",
+            old="""\
+        if self.use_precision_aware_optimizer:
+            assert (
+                self.optimizer == 'adam'
+            ), '--use-precision-aware-optimizer only supported with adam'
+""",
+            new="""\
+        if self.adam_fusion_impl not in ('auto', 'torch', 'triton'):
+            raise ValueError(
+                "adam_fusion_impl must be 'auto', 'torch' or 'triton', "
+                f"not {self.adam_fusion_impl!r}."
+            )
+        if self.adam_fusion_impl != 'auto':
+            impl = f"adam_fusion_impl='{self.adam_fusion_impl}'"
+            if self.optimizer != 'adam':
+                raise ValueError(f"{impl} only supported with optimizer='adam'.")
+            if self.use_precision_aware_optimizer or self.optimizer_cpu_offload:
+                raise ValueError(
+                    f"{impl} is not supported with the precision-aware optimizer or optimizer "
+                    "CPU offload (their state is TransformerEngine's FusedAdam's): use "
+                    "adam_fusion_impl='auto'."
+                )
+            if self.use_distributed_optimizer:
+                raise ValueError(
+                    f"{impl} is not supported with the distributed optimizer yet (its checkpoint "
+                    "keeps the step as TransformerEngine's FusedAdam does): use "
+                    "adam_fusion_impl='auto'."
+                )
+
+        if self.use_precision_aware_optimizer:
+            assert (
+                self.optimizer == 'adam'
+            ), '--use-precision-aware-optimizer only supported with adam'
+""",
+        ),
+        Replace(
+            CONFIG,
+            "OptimizerConfig.__post_init__",
+            old="""\
+            assert (
+                self.exp_avg_dtype == torch.float32
+            ), "exp_avg_dtype can only be fp32 when not using precision-aware optimizer"
+            assert (
+                self.exp_avg_sq_dtype == torch.float32
+            ), "exp_avg_sq_dtype can only be fp32 when not using precision-aware optimizer"
+""",
+            new="""\
+            # The Triton Adam step keeps both moments in bf16 itself.
+            bf16_moments = (
+                self.adam_fusion_impl == 'triton'
+                and self.exp_avg_dtype == self.exp_avg_sq_dtype == torch.bfloat16
+            )
+            assert self.exp_avg_dtype == torch.float32 or bf16_moments, (
+                "exp_avg_dtype can only be fp32 when not using precision-aware optimizer "
+                "(or bf16, with exp_avg_sq_dtype bf16 and adam_fusion_impl='triton')"
+            )
+            assert self.exp_avg_sq_dtype == torch.float32 or bf16_moments, (
+                "exp_avg_sq_dtype can only be fp32 when not using precision-aware optimizer "
+                "(or bf16, with exp_avg_dtype bf16 and adam_fusion_impl='triton')"
+            )
+""",
+        ),
+        Replace(
+            FACTORY,
+            "",
+            old="""\
+    SGDOptimizerConfig,
+)
+""",
+            new="""\
+    SGDOptimizerConfig,
+)
+from .triton_adam import TritonAdam, TritonAdamW
+""",
+        ),
+        Replace(
+            FACTORY,
+            "_get_megatron_optimizer_based_on_param_groups",
+            old="""\
+            # on source of optimizer (Torch or TE/Apex)
+            if USING_PYTORCH_OPTIMIZER:
+""",
+            new="""\
+            # on source of optimizer (Torch, Triton or TE/Apex)
+            if config.adam_fusion_impl == 'torch':
+                adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+                kwargs["fused"] = True
+            elif config.adam_fusion_impl == 'triton':
+                # torch's fused step where the Triton kernel does not run.
+                adam_cls = TritonAdamW if config.decoupled_weight_decay else TritonAdam
+                kwargs["fused"] = True
+                kwargs["moments_dtype"] = config.exp_avg_dtype
+            elif USING_PYTORCH_OPTIMIZER:
+""",
+        ),
+        Replace(
+            FACTORY,
+            "_get_megatron_optimizer_based_on_param_groups",
+            old="""\
+            optimizer = adam_cls(**kwargs)
+""",
+            new="""\
+            optimizer = adam_cls(**kwargs)
+            if config.optimizer_cuda_graph and config.adam_fusion_impl != 'auto':
+                # A captured step reads the learning rate from a device tensor, which
+                # OptimizerParamScheduler fills in place.
+                for group in optimizer.param_groups:
+                    if group['params'] and not isinstance(group['lr'], torch.Tensor):
+                        device = group['params'][0].device
+                        group['lr'] = torch.tensor(float(group['lr']), device=device)
+""",
+        ),
+        Replace(
+            MIXED,
+            "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params",
+            old="""\
+        # Only needed for the float16 params.
+        model_data, main_data = self._get_model_and_main_params_data_float16()
+""",
+            new="""\
+        # The Triton Adam step may have written the model params already.
+        take_model_copy = getattr(self.optimizer, 'take_model_copy', None)
+        if take_model_copy is not None and take_model_copy(self):
+            return
+        # Only needed for the float16 params.
+        model_data, main_data = self._get_model_and_main_params_data_float16()
+""",
+        ),
+        Replace(
+            ARGUMENTS,
+            "_add_regularization_args",
+            old="""\
+    group.add_argument('--adam-eps', type=float, default=1e-08,
+                       help='Term added to the denominator to improve'
+                       'numerical stability')
+""",
+            new="""\
+    group.add_argument('--adam-eps', type=float, default=1e-08,
+                       help='Term added to the denominator to improve'
+                       'numerical stability')
+    group.add_argument(
+        '--adam-fusion-impl',
+        type=str,
+        default='auto',
+        choices=['auto', 'torch', 'triton'],
+        help="Implementation of the Adam step. auto: TransformerEngine's FusedAdam (Apex's "
+        "without TransformerEngine, torch's AdamW without either). torch: torch's fused AdamW, "
+        "capturable under --optimizer-cuda-graph. triton: the same optimizer stepped by one "
+        "Triton kernel that also writes the bf16 model params; with --exp-avg-dtype bf16 "
+        "--exp-avg-sq-dtype bf16 it keeps both moments in bf16. Not supported with "
+        "--use-distributed-optimizer yet.",
+    )
+""",
+        ),
+        NewFile(
+            "tests/unit_tests/optimizer/test_triton_adam.py",
+            "features/torch_adam/upstream/test_triton_adam.py",
+        ),
+    ),
+)
