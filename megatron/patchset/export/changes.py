@@ -72,8 +72,8 @@ def _wrap(text: str) -> str:
 SERIES = (
     "megatron.patchset.core.compat:HELP_PERCENT_CHANGE",
     "megatron.patchset.features.triton_cross_entropy.upstream:CHANGE",
-    "megatron.patchset.core.compat:CHECKPOINT_EXIT_CHANGE",
     "megatron.patchset.features.torch_adam.upstream:CHANGE",
+    "megatron.patchset.core.compat:CHECKPOINT_EXIT_CHANGE",
 )
 
 
