@@ -17,7 +17,14 @@ import sys
 import pytest
 
 from megatron.patchset.export import changes
-from tests.gpu.conftest import DETERMINISTIC, ROOT, first_difference, launch_many, tiny_argv
+from tests.gpu.conftest import (
+    DETERMINISTIC,
+    ROOT,
+    assert_trains_alike,
+    first_difference,
+    launch_many,
+    tiny_argv,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
@@ -34,6 +41,13 @@ CHANGE_RUNS = {
         ("--cross-entropy-loss-fusion", "--cross-entropy-triton"),
         ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "triton"),
     ),
+    "torch_adam": (("--adam-impl", "triton"), ("--adam-fusion-impl", "triton")),
+}
+# Changes whose upstream form is not the overlay's code path bit for bit, and why: compared within
+# the tolerance of the feature's own GPU tests instead.
+NOT_BITWISE = {
+    "torch_adam": "the overlay folds megatron's gradient clip into the kernel's step; the change "
+    "leaves the clip to megatron",
 }
 
 
@@ -114,4 +128,12 @@ def test_each_change_trains_on_the_checkout_as_in_the_overlay(runs, name):
     _, done = runs
     if f"series_{name}" not in done:
         pytest.fail(f"{name} is not in the series")
-    _bitwise(done[f"series_{name}"], done[f"overlay_{name}"])
+    ours, theirs = done[f"series_{name}"], done[f"overlay_{name}"]
+    if name not in NOT_BITWISE:
+        _bitwise(ours, theirs)
+        return
+    print(
+        f"\n{name}: first difference {first_difference(ours.losses, theirs.losses)} "
+        f"({NOT_BITWISE[name]})"
+    )
+    assert_trains_alike(ours, theirs, name, iters=ITERS, loss_atol=2e-2, grad_norm_rtol=5e-2)
