@@ -43,20 +43,21 @@ main-grad buckets or reduce-scattered (megatron's DDP skips them the same way).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from megatron.patchset.core.registry import PatchsetError, patch
+from megatron.patchset.features.fsdp_cuda_graphs import capture_hooks
 
-# Markers, set on the object stored in the module's hook dict.
-BACKWARD_HANDLER = "_cuda_graph_backward_handler"  # forward-pre wrapper -> runs after backward
-BACKWARD_PRE_HANDLER = "_cuda_graph_backward_pre_handler"  # forward wrapper -> runs before backward
-CAPTURE_SAFE = "_cuda_graph_capture_time_safe"  # plain hook that ignores all but the module
-WITHHOLD = "_cuda_graph_withhold"  # the root pre-backward wrapper: never given to TE
-CAPTURE_GUARD = "_patchset_skip_while_capturing"  # gradient hook guarded during capture
+# Markers, set on the object stored in the module's hook dict (capture_hooks' names, the names
+# upstream's Megatron-FSDP sets where it registers the hooks).
+BACKWARD_HANDLER = capture_hooks.BACKWARD_HANDLER  # forward-pre wrapper -> runs after backward
+BACKWARD_PRE_HANDLER = capture_hooks.BACKWARD_PRE_HANDLER  # forward wrapper -> before backward
+CAPTURE_SAFE = capture_hooks.CAPTURE_SAFE  # plain hook that ignores all but the module
+WITHHOLD = capture_hooks.WITHHOLD  # the root pre-backward wrapper: never given to TE
+CAPTURE_GUARD = capture_hooks.CAPTURE_GUARD  # gradient hook guarded during capture
 
 _HOOK_PREFIX = "MegatronFSDP._register_fsdp_hooks.<locals>."
 # Hooks that use only their first argument (the module): TE may call them as hook(module).
@@ -142,31 +143,8 @@ def mark_module_hooks(modules: Iterable[Any]) -> dict[str, int]:
     return counts
 
 
-def _mcore_graph_capturing() -> bool:
-    # Imported lazily: megatron_fsdp is imported by megatron.core.distributed, which
-    # cuda_graphs imports in turn.
-    from megatron.core.transformer.cuda_graphs import is_graph_capturing
-
-    return is_graph_capturing()
-
-
-def skip_while_capturing(
-    hook: Callable, capturing: Callable[[], bool] = _mcore_graph_capturing
-) -> Callable:
-    """``hook`` (a parameter's post-accumulate-grad hook) as a no-op while megatron-core is
-    capturing per-layer CUDA graphs (its flag also covers TE's warm-up passes; it is not set by
-    full-iteration graphs, which must keep their reduce-scatter)."""
-    if getattr(hook, CAPTURE_GUARD, False):
-        return hook
-
-    @functools.wraps(hook)
-    def guarded(param):
-        if capturing():
-            return None
-        return hook(param)
-
-    setattr(guarded, CAPTURE_GUARD, True)
-    return guarded
+_mcore_graph_capturing = capture_hooks._graph_capturing
+skip_while_capturing = capture_hooks.skip_while_capturing
 
 
 def guard_gradient_hooks(
@@ -184,40 +162,8 @@ def guard_gradient_hooks(
     return count
 
 
-def fsdp_instances(model_chunks: Iterable[Any]) -> list[Any]:
-    """The ``MegatronFSDP`` modules inside the (wrapped) model chunks."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
-
-    found = []
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            if isinstance(module, MegatronFSDP) and all(module is not f for f in found):
-                found.append(module)
-    return found
-
-
-@contextlib.contextmanager
-def raw_parameters(model_chunks: Iterable[Any]) -> Iterator[list[Any]]:
-    """Give the modules Megatron-FSDP's raw (unsharded, persistent) parameters for the duration.
-
-    After the optimizer step the layers hold the DTensor shards; TE records the parameters of
-    each graphed layer when capture starts, and what the layer uses at replay are the raw ones
-    (Megatron-FSDP swaps them in at every forward). Afterwards the all-gather pipeline is reset
-    (capture left prefetched buckets behind) and the sharded parameters are put back when they
-    were there before.
-    """
-    instances = fsdp_instances(model_chunks)
-    was_distributed = [bool(f.is_param_fsdp_distributed) for f in instances]
-    for fsdp in instances:
-        fsdp._replace_param_with_raw_if_needed()
-    try:
-        yield instances
-    finally:
-        for fsdp, distributed in zip(instances, was_distributed):
-            if distributed:
-                fsdp.synchronize_param_gather()  # reset the AG pipeline + back to shards
-            else:
-                fsdp.all_gather_pipeline.reset(preserve_non_fsdp_units=True)
+fsdp_instances = capture_hooks.fsdp_instances
+raw_parameters = capture_hooks.raw_parameters
 
 
 def wanted(args: Any) -> bool:

@@ -29,200 +29,34 @@ What this module changes (each a registered patch, on with ``--use-megatron-fsdp
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from megatron.patchset.core.registry import PatchsetError, patch
-from megatron.patchset.features.fsdp_cuda_graphs import fsdp_hooks
+from megatron.patchset.core.registry import patch
+from megatron.patchset.features.fsdp_cuda_graphs import capture_hooks, fsdp_hooks
 
-# TransformerEngine 2.20.2's capture_time_hooks keys (transformer_engine/pytorch/graph.py).
-TE_HOOK_KEYS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
-# nn.Module's hook dicts, by the kind of hook they hold.
-MODULE_HOOK_DICTS = {
-    "forward_pre": "_forward_pre_hooks",
-    "forward": "_forward_hooks",
-    "backward_pre": "_backward_pre_hooks",
-    "backward": "_backward_hooks",
-}
-ORIGINAL_FORWARD = "_patchset_original_forward"
-
-
-class CudaGraphHookError(PatchsetError):
-    """A graphed module carries a hook that cannot be run correctly around TE's capture."""
-
-
-# ---------------------------------------------------------------------------------------
-# Taking hooks off a module and putting them back
-# ---------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class HookStash:
-    """The hooks taken off one module: ``(id, hook)`` pairs per kind, in registration order."""
-
-    module: torch.nn.Module
-    hooks: dict[str, list[tuple[int, Callable]]]
-    forward_pre_with_kwargs: frozenset[int]
-    forward_with_kwargs: frozenset[int]
-    restored: bool = False
-
-    def count(self) -> int:
-        return sum(len(v) for v in self.hooks.values())
-
-
-def take_off_hooks(module: torch.nn.Module) -> HookStash:
-    """Remove all forward-pre, forward, backward-pre and backward hooks from ``module``.
-
-    The dicts themselves are emptied in place (not replaced), so the ``RemovableHandle``s that
-    registered the hooks stay valid; the with-kwargs / always-called flags are left alone.
-    """
-    hooks = {}
-    for kind, attr in MODULE_HOOK_DICTS.items():
-        table = getattr(module, attr)
-        hooks[kind] = list(table.items())
-        table.clear()
-    return HookStash(
-        module=module,
-        hooks=hooks,
-        forward_pre_with_kwargs=frozenset(getattr(module, "_forward_pre_hooks_with_kwargs", {})),
-        forward_with_kwargs=frozenset(getattr(module, "_forward_hooks_with_kwargs", {})),
-    )
-
-
-def restore_hooks(stash: HookStash) -> None:
-    """Put the stashed hooks back, in their original order and under their original ids; hooks
-    registered meanwhile stay, after them. Doing it twice changes nothing."""
-    if stash.restored:
-        return
-    for kind, attr in MODULE_HOOK_DICTS.items():
-        table = getattr(stash.module, attr)
-        saved = stash.hooks[kind]
-        saved_ids = {hook_id for hook_id, _ in saved}
-        added = [(k, v) for k, v in table.items() if k not in saved_ids]
-        table.clear()
-        table.update(saved)
-        table.update(added)
-    stash.restored = True
-
-
-# ---------------------------------------------------------------------------------------
-# Hooks -> TE capture_time_hooks
-# ---------------------------------------------------------------------------------------
-
-
-def _module_only(handler: Callable) -> Callable:
-    """TE calls capture-time hooks as ``hook(module)`` and requires None back."""
-
-    def hook(module):
-        handler(module)
-
-    hook.__wrapped__ = handler
-    return hook
-
-
-def _plain_forward_pre(fn: Callable, with_kwargs: bool) -> Callable:
-    def hook(module):
-        if with_kwargs:
-            fn(module, (), {})
-        else:
-            fn(module, ())
-
-    hook.__wrapped__ = fn
-    return hook
-
-
-def _plain_forward(fn: Callable, with_kwargs: bool) -> Callable:
-    def hook(module):
-        if with_kwargs:
-            fn(module, (), {}, None)
-        else:
-            fn(module, (), None)
-
-    hook.__wrapped__ = fn
-    return hook
-
-
-def _describe(fn: Callable) -> str:
-    target = getattr(fn, "func", fn)
-    return getattr(target, "__qualname__", repr(target))
-
-
-def capture_time_hooks(stash: HookStash, name: str = "") -> dict[str, dict[int, Callable]] | None:
-    """The hooks of one graphed module, as TE's ``capture_time_hooks`` entry (None: no hooks).
-
-    * a forward-pre wrapper marked with an inner *backward* handler: the handler, under
-      ``backward_hooks`` (it must run after the module's backward);
-    * a forward wrapper marked with an inner *backward-pre* handler: the handler, under
-      ``backward_pre_hooks``;
-    * a plain FSDP hook (args unused): itself, under its own phase;
-    * the root pre-backward wrapper: withheld (it queues an autograd callback, legal only in a
-      real backward pass; the hook is back on the module for replay).
-
-    Any other hook is refused: TE cannot give it its real arguments, and skipping it silently
-    could change what the layer computes.
-    """
-    where = f" on {name or type(stash.module).__name__}"
-    te: dict[str, dict[int, Callable]] = {key: {} for key in TE_HOOK_KEYS}
-    for hook_id, fn in stash.hooks["forward_pre"]:
-        if getattr(fn, fsdp_hooks.WITHHOLD, False):
-            continue
-        inner = getattr(fn, fsdp_hooks.BACKWARD_HANDLER, None)
-        if inner is not None:
-            te["backward_hooks"][hook_id] = _module_only(inner)
-        elif getattr(fn, fsdp_hooks.CAPTURE_SAFE, False):
-            te["forward_pre_hooks"][hook_id] = _plain_forward_pre(
-                fn, hook_id in stash.forward_pre_with_kwargs
-            )
-        else:
-            raise CudaGraphHookError(f"forward pre-hook {_describe(fn)}{where} {_UNKNOWN}")
-    for hook_id, fn in stash.hooks["forward"]:
-        if getattr(fn, fsdp_hooks.WITHHOLD, False):
-            continue
-        inner = getattr(fn, fsdp_hooks.BACKWARD_PRE_HANDLER, None)
-        if inner is not None:
-            te["backward_pre_hooks"][hook_id] = _module_only(inner)
-        elif getattr(fn, fsdp_hooks.CAPTURE_SAFE, False):
-            te["forward_hooks"][hook_id] = _plain_forward(fn, hook_id in stash.forward_with_kwargs)
-        else:
-            raise CudaGraphHookError(f"forward hook {_describe(fn)}{where} {_UNKNOWN}")
-    for kind in ("backward_pre", "backward"):
-        for _, fn in stash.hooks[kind]:
-            raise CudaGraphHookError(
-                f"module {kind.replace('_', '-')} hook {_describe(fn)}{where} {_UNKNOWN}"
-            )
-    if not any(te.values()):
-        return None
-    return te
-
-
-_UNKNOWN = (
-    "was not registered by Megatron-FSDP: TransformerEngine's per-layer graph capture runs hooks "
-    "as hook(module) outside the graph and cannot run this one correctly. Remove it before "
-    "training, or use --cuda-graph-impl none."
-)
+# The capture-time hook machinery is capture_hooks, the module upstream gets verbatim.
+TE_HOOK_KEYS = capture_hooks.TE_HOOK_KEYS
+MODULE_HOOK_DICTS = capture_hooks.MODULE_HOOK_DICTS
+CudaGraphHookError = capture_hooks.CudaGraphHookError
+HookStash = capture_hooks.HookStash
+take_off_hooks = capture_hooks.take_off_hooks
+restore_hooks = capture_hooks.restore_hooks
+capture_time_hooks = capture_hooks.capture_time_hooks
+check_capture_config = capture_hooks.check_capture_config
+# The attribute upstream's GraphableMegatronModule.__call__ keeps the layer's forward in while
+# capture or replay runs as the forward.
+ORIGINAL_FORWARD = "_te_cuda_graph_forward"
 
 
 def check_no_hooks_inside(module: torch.nn.Module, name: str = "") -> None:
-    """Refuse Megatron-FSDP hooks on submodules of a graphed layer: they would run inside the
-    captured region at capture time and never at replay (fine-grained parameter gather, the
-    ``optim``/``optim_grads`` strategies, or a root pre-backward hook on a pipeline stage's
-    last layer)."""
-    for sub_name, sub in module.named_modules():
-        if sub is module:
-            continue
-        for attr in ("_forward_pre_hooks", "_forward_hooks"):
-            for fn in getattr(sub, attr).values():
-                if fsdp_hooks.local_name(fn) is not None:
-                    raise CudaGraphHookError(
-                        f"Megatron-FSDP hook {fsdp_hooks.local_name(fn)} on {name}.{sub_name}, "
-                        "inside a layer graphed by TransformerEngine: it would run during capture "
-                        "and never at replay. Per-layer graphs need FSDP units of whole layers "
-                        "(--data-parallel-sharding-strategy optim_grads_params, no fine-grained "
-                        "parameter gather, no pipeline parallelism)."
-                    )
+    """capture_hooks.check_no_hooks_inside, recognising Megatron-FSDP's hooks by name (marked
+    or not)."""
+    capture_hooks.check_no_hooks_inside(
+        module, name, lambda fn: fsdp_hooks.local_name(fn) is not None
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,42 +155,6 @@ def _static_inputs(original):
 # ---------------------------------------------------------------------------------------
 # The capture helper
 # ---------------------------------------------------------------------------------------
-
-
-def check_capture_config(model_chunks: list, config: Any) -> None:
-    """The core-level version of the CLI rules (for callers that build the helper without
-    pretrain_gpt.py): the FSDP settings that per-layer graphs need."""
-    for chunk in model_chunks:
-        ddp = getattr(chunk, "ddp_config", None)
-        if ddp is None or not getattr(ddp, "use_megatron_fsdp", False):
-            continue
-        missing = [
-            flag
-            for flag, ok in (
-                ("--fsdp-double-buffer", getattr(ddp, "fsdp_double_buffer", False)),
-                (
-                    "--fsdp-db-use-persist-buf-on-alloc-fail",
-                    getattr(ddp, "fsdp_db_use_persist_buf_on_alloc_fail", False),
-                ),
-                (
-                    "--data-parallel-sharding-strategy optim_grads_params",
-                    getattr(ddp, "data_parallel_sharding_strategy", None) == "optim_grads_params",
-                ),
-            )
-            if not ok
-        ]
-        if missing:
-            raise CudaGraphHookError(
-                "TransformerEngine per-layer CUDA graphs with Megatron-FSDP need "
-                + ", ".join(missing)
-                + ": the graphs replay at the parameter-buffer addresses seen at capture"
-            )
-        if getattr(config, "gradient_accumulation_fusion", False):
-            raise CudaGraphHookError(
-                "TransformerEngine per-layer CUDA graphs with Megatron-FSDP need "
-                "--no-gradient-accumulation-fusion (fused wgrad would allocate FSDP grad buckets "
-                "inside the capture)"
-            )
 
 
 @patch(
