@@ -74,6 +74,7 @@ SERIES = (
     "megatron.patchset.features.triton_cross_entropy.upstream:CHANGE",
     "megatron.patchset.features.torch_adam.upstream:CHANGE",
     "megatron.patchset.core.compat:CHECKPOINT_EXIT_CHANGE",
+    "megatron.patchset.features.fsdp_cuda_graphs.upstream:CHANGE",
 )
 
 

@@ -29,7 +29,7 @@ DATE = "2026-11-27T12:00:00+00:00"
 # What would give away the fork in an upstream patch
 LEAKS = re.compile(
     r"patchset|PATCHSET|fork\b|>>>|noreply|1970|--moe-static-dispatch|--adam-impl|tools/bench|"
-    r"features/|_enable_",
+    r"features/|\b_enable_",
     re.IGNORECASE,
 )
 TIMEOUT = 600

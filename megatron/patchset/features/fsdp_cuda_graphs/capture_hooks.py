@@ -115,6 +115,7 @@ def _module_only(handler: Callable) -> Callable:
     """TE calls capture-time hooks as ``hook(module)`` and requires None back."""
 
     def hook(module):
+        """The handler, run by TE around the module's backward."""
         handler(module)
 
     hook.__wrapped__ = handler
@@ -123,6 +124,7 @@ def _module_only(handler: Callable) -> Callable:
 
 def _plain_forward_pre(fn: Callable, with_kwargs: bool) -> Callable:
     def hook(module):
+        """The forward pre-hook, run by TE before the module's forward."""
         if with_kwargs:
             fn(module, (), {})
         else:
@@ -134,6 +136,7 @@ def _plain_forward_pre(fn: Callable, with_kwargs: bool) -> Callable:
 
 def _plain_forward(fn: Callable, with_kwargs: bool) -> Callable:
     def hook(module):
+        """The forward hook, run by TE after the module's forward."""
         if with_kwargs:
             fn(module, (), {}, None)
         else:
@@ -236,6 +239,7 @@ def skip_while_capturing(hook: Callable, capturing: Callable[[], bool] = _graph_
 
     @functools.wraps(hook)
     def guarded(param):
+        """The gradient hook, skipped while capturing."""
         if capturing():
             return None
         return hook(param)
@@ -366,7 +370,7 @@ def megatron_fsdp_capture(
     """Megatron-FSDP's hooks off the graphed ``callables`` for the duration, as TE's
     ``capture_time_hooks``; FSDP's raw parameters in the layers and its gradient hooks paused
     while capturing. Yields None, and changes nothing, for a model without Megatron-FSDP."""
-    if not fsdp_instances(model_chunks):
+    if not callables or not fsdp_instances(model_chunks):
         yield None
         return
     check_capture_config(model_chunks, config)
