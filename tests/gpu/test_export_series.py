@@ -25,6 +25,8 @@ from tests.gpu.conftest import (
     launch_many,
     tiny_argv,
 )
+from tests.gpu.features.fsdp_cuda_graphs.test_cuda_graphs_fsdp import ENV as FSDP_ENV
+from tests.gpu.features.fsdp_cuda_graphs.test_cuda_graphs_fsdp import FSDP
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
@@ -34,14 +36,26 @@ SNAPSHOTS = os.environ.get(
 BRANCH = "core_r0.19.0"
 ITERS = 10
 NUMERICS = (*DETERMINISTIC, "--no-check-for-nan-in-loss-and-grad")
-# change name: (the overlay's flags, the flags of the edited upstream tree), each added to the
-# tiny config and NUMERICS
+# TE per-layer graphs with Megatron-FSDP, as the feature's own GPU tests run them
+FSDP_GRAPHS = (
+    *FSDP,
+    "--cuda-graph-impl",
+    "transformer_engine",
+    "--cuda-graph-warmup-steps",
+    "3",
+    "--cuda-graph-modules",
+    "attn",
+)
+# change name: (the overlay's flags, the flags of the edited upstream tree, environment), the
+# flags added to the tiny config and NUMERICS
 CHANGE_RUNS = {
     "triton_cross_entropy": (
         ("--cross-entropy-loss-fusion", "--cross-entropy-triton"),
         ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "triton"),
+        {},
     ),
-    "torch_adam": (("--adam-impl", "triton"), ("--adam-fusion-impl", "triton")),
+    "torch_adam": (("--adam-impl", "triton"), ("--adam-fusion-impl", "triton"), {}),
+    "fsdp_cuda_graphs": (FSDP_GRAPHS, FSDP_GRAPHS, FSDP_ENV),
 }
 # Changes whose upstream form is not the overlay's code path bit for bit, and why: compared within
 # the tolerance of the feature's own GPU tests instead.
@@ -97,16 +111,22 @@ def runs(tmp_path_factory):
         dict(tmp_path=tmp, name="series_plain", nproc=1, argv=base, env=edited),
     ]
     in_series = {change.name for change in changes.series()}
-    for name, (overlay, upstream) in CHANGE_RUNS.items():
+    for name, (overlay, upstream, env) in CHANGE_RUNS.items():
         if name in in_series:
             jobs += [
-                dict(tmp_path=tmp, name=f"overlay_{name}", nproc=1, argv=base + list(overlay)),
+                dict(
+                    tmp_path=tmp,
+                    name=f"overlay_{name}",
+                    nproc=1,
+                    argv=base + list(overlay),
+                    env=env,
+                ),
                 dict(
                     tmp_path=tmp,
                     name=f"series_{name}",
                     nproc=1,
                     argv=base + list(upstream),
-                    env=edited,
+                    env={**env, **edited},
                 ),
             ]
     return tree, launch_many(jobs)
