@@ -59,7 +59,9 @@ if [ $# -eq 0 ]; then
   .venv/bin/ruff check .
   .venv/bin/ruff format --check .
   # The whole tier in PYTEST_WORKERS processes (pytest-xdist; default 2): most of its time is
-  # subprocesses that import megatron, which two cores run side by side. The slowest tests last.
-  set -- -n "${PYTEST_WORKERS:-2}" --durations=15 tests/unit
+  # subprocesses that import megatron, which two cores run side by side. The tests on the
+  # Megatron-LM snapshots share one worker (--dist loadgroup), which builds each tree once. The
+  # slowest tests last.
+  set -- -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=15 tests/unit
 fi
 exec .venv/bin/python -m pytest -q "$@"

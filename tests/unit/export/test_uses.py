@@ -8,7 +8,7 @@ import pytest
 
 from megatron.patchset.export import run, uses
 from megatron.patchset.export.source import SourceTree
-from tests.unit.export.test_series import SNAPSHOTS, _checkout
+from tests.unit.export import snapshots
 
 PLAN = """\
 class Base:
@@ -60,15 +60,12 @@ def test_an_inherited_method_counts_and_an_unknown_one_is_not_reported(tmp_path)
     assert uses.missing(code, _tree(tmp_path / "t", "x"), installed) == []
 
 
-@pytest.mark.skipif(
-    not os.path.isfile(os.path.join(SNAPSHOTS, "checkout.sh")),
-    reason=f"no Megatron-LM snapshots at {SNAPSHOTS} (set MEGATRON_LM_SNAPSHOTS)",
-)
-@pytest.mark.parametrize("branch", ["core_r0.19.0", "main"])
-def test_p2p_overlap_is_refused_on_trees_without_the_method_it_calls(branch, tmp_path):
+@pytest.mark.xdist_group("megatron-lm-snapshots")
+@snapshots.needs_snapshots
+def test_p2p_overlap_is_refused_on_trees_without_the_method_it_calls(series, tmp_path):
     """0.19.1 and main name the schedule plan's context get_fp8_context; 0.19.2's exported code
     calls get_low_precision_context: refused by name instead of an AttributeError at run time."""
-    checkout = _checkout(branch, tmp_path / "tree")
+    checkout = series.plain
     try:
         result = run.export(checkout, str(tmp_path / "out"), ["p2p_overlap"])
         refused = result.refused["p2p_overlap"]
