@@ -8,7 +8,9 @@ number:
 * :class:`InsertAfter` adds text after the definition's last line (a new method after a named
   one, a new test class after a named class);
 * :class:`NewFile` adds a file whose text is a module of this package's, under upstream's
-  copyright header (the overlay runs the same module).
+  copyright header (the overlay runs the same module);
+* :class:`OneOf` is one change written for each form a definition takes in upstream's releases
+  (a line that differs between a release branch and main): the first that fits is applied.
 
 A ``definition`` of ``""`` is the module's top level (an import line, found once in the file).
 
@@ -76,6 +78,26 @@ class NewFile:
             return self.header + handle.read()
 
 
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """One change written for each form of upstream's code: the first of ``alternatives`` (edits
+    of one file) that fits is applied; the source holds the change when it holds any of them."""
+
+    alternatives: tuple
+
+    def __post_init__(self):
+        if not self.alternatives or len({edit.path for edit in self.alternatives}) != 1:
+            raise EditError("OneOf: alternative edits of one file are needed")
+
+    @property
+    def path(self) -> str:
+        return self.alternatives[0].path
+
+    @property
+    def definition(self) -> str:
+        return self.alternatives[0].definition
+
+
 def module_name(path: str) -> str:
     """``megatron/training/argument_utils.py`` -> ``megatron.training.argument_utils``."""
     if not path.endswith(".py"):
@@ -123,6 +145,9 @@ def status(source: str | None, edit) -> str:
     """:data:`APPLIES` (the edit fits), :data:`APPLIED` (the source already holds it) or
     :data:`DRIFTED` (the definition's text is neither upstream's nor the edited one). ``source``
     is None for a file that does not exist."""
+    if isinstance(edit, OneOf):
+        states = [status(source, alternative) for alternative in edit.alternatives]
+        return next((s for s in (APPLIED, APPLIES) if s in states), DRIFTED)
     if isinstance(edit, NewFile):
         if source is None:
             return APPLIES
@@ -146,6 +171,11 @@ def status(source: str | None, edit) -> str:
 def apply_to_source(source: str | None, edit) -> str:
     """``source`` with ``edit`` applied; :class:`EditError` names the definition if it does not
     fit."""
+    if isinstance(edit, OneOf):
+        for alternative in edit.alternatives:
+            if status(source, alternative) == APPLIES:
+                return apply_to_source(source, alternative)
+        return apply_to_source(source, edit.alternatives[0])  # raises, naming the first
     if isinstance(edit, NewFile):
         if source is not None:
             raise EditError(f"{edit.path}: the file exists already")

@@ -126,3 +126,15 @@ def test_an_unknown_change_is_refused_with_the_series():
         changes.select(["grouped_mm"])
     with pytest.raises(Exception, match="p2p_overlap: not in the patch series: .*get_fp8_context"):
         changes.select(["p2p_overlap"])
+
+
+def test_one_of_applies_the_alternative_that_fits_and_knows_either_applied():
+    other = edits.Replace("pkg/box.py", "Box.size", "no such text\n", "x\n")
+    either = edits.OneOf((other, REPLACE))
+    assert either.path == "pkg/box.py" and edits.status(SOURCE, either) == edits.APPLIES
+    out = edits.apply_to_source(SOURCE, either)
+    assert out == edits.apply_to_source(SOURCE, REPLACE)
+    assert edits.status(out, either) == edits.APPLIED
+    assert edits.status(SOURCE, edits.OneOf((other,))) == edits.DRIFTED
+    with pytest.raises(edits.EditError):
+        edits.OneOf((REPLACE, edits.Replace("pkg/other.py", "", "a", "b")))
