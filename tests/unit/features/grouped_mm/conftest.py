@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.patchset.features.grouped_mm import linears
+from megatron.patchset.features.grouped_mm import torch_grouped_gemm as tgg
 
 IN, OUT = 32, 16
 
@@ -85,10 +86,10 @@ def grouped_mlp(splits):
 
 @pytest.fixture(autouse=True)
 def fresh_caches():
-    for cache in (linears._offsets_cache, linears._fp32_wgrad_supported):
+    for cache in (tgg._offsets_cache, tgg._fp32_wgrad_supported):
         cache.clear()
     yield
-    linears._offsets_cache.clear()
+    tgg._offsets_cache.clear()
 
 
 def tiny_parsed(*extra):

@@ -5,7 +5,8 @@ its place in the grouped GEMM's backward."""
 import pytest
 import torch
 
-from megatron.patchset.features.grouped_mm import accumulate, linears
+from megatron.patchset.features.grouped_mm import linears
+from megatron.patchset.features.grouped_mm import torch_grouped_gemm as accumulate
 from tests.unit.conftest import triton_interpreter
 from tests.unit.features.grouped_mm.conftest import (
     IN,
@@ -21,19 +22,19 @@ pytest.importorskip("triton")
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    yield from triton_interpreter(monkeypatch, accumulate._kernel)
+    yield from triton_interpreter(monkeypatch, accumulate._add_reversed_kernel)
 
 
 def test_without_a_gpu_or_the_interpreter_it_is_not_available(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not accumulate.available(torch.device("cpu"))
+    assert not accumulate.add_reversed_available(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_it_is_torchs_promoted_add_into_the_reversed_stack_to_the_bit(interpreter, overwrite):
-    assert accumulate.available(torch.device("cpu"))
+    assert accumulate.add_reversed_available(torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
-    n, shape = 5, (7, accumulate.BLOCK // 3)  # rows not a multiple of the block
+    n, shape = 5, (7, accumulate.ADD_REVERSED_BLOCK // 3)  # rows not a multiple of the block
     stack = torch.randn((n, *shape), generator=gen)
     dw = torch.randn((n, *shape), generator=gen).to(torch.bfloat16)
     expected = stack.clone()

@@ -6,6 +6,7 @@ import torch
 
 from megatron.patchset.core import registry
 from megatron.patchset.features.grouped_mm import linears
+from megatron.patchset.features.grouped_mm import torch_grouped_gemm as tgg
 from tests.unit.features.grouped_mm.conftest import (
     IN,
     OUT,
@@ -35,7 +36,7 @@ def test_device_splits_give_the_offsets_of_the_counts_without_a_host_list():
     assert splits.tolist() is splits and len(splits) == len(SPLITS)
     offs = linears.group_offsets(splits, torch.device("cpu"))
     assert offs.dtype == torch.int32 and offs.tolist() == [0, 5, 8, 8, 17, 18, 18]
-    assert linears._offsets_cache == {}  # the host-list cache is not involved
+    assert tgg._offsets_cache == {}  # the host-list cache is not involved
 
 
 def test_grouped_mlp_reads_the_token_counts_without_tolist(monkeypatch):

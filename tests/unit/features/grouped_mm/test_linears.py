@@ -8,6 +8,7 @@ import torch
 from megatron.patchset.core import registry
 from megatron.patchset.core.registry import PatchsetError
 from megatron.patchset.features.grouped_mm import linears
+from megatron.patchset.features.grouped_mm import torch_grouped_gemm as tgg
 from tests.unit.features.grouped_mm.conftest import (
     IN,
     OUT,
@@ -106,9 +107,9 @@ def test_ddp_managed_weights_accumulate_into_main_grad():
 
 def test_fp32_weight_gradients_only_where_the_device_writes_them():
     # PyTorch's CPU fallback refuses out_dtype=float32 (CUDA on sm90 accepts it): bf16 then.
-    assert linears._wgrad_out_dtype(torch.float32, torch.device("cpu")) is None
-    assert linears._fp32_wgrad_supported == {"cpu": False}
-    assert linears._wgrad_out_dtype(torch.bfloat16, torch.device("cpu")) is None
+    assert tgg._wgrad_out_dtype(torch.float32, torch.device("cpu")) is None
+    assert tgg._fp32_wgrad_supported == {"cpu": False}
+    assert tgg._wgrad_out_dtype(torch.bfloat16, torch.device("cpu")) is None
 
 
 def test_overwrite_main_grad_and_zero_out_wgrad():
@@ -244,7 +245,7 @@ def test_main_grads_back_to_back_take_one_add(descending, monkeypatch):
     gradient goes in with one add over a view of them, not a foreach over the experts."""
     weights = expert_weights()
     buffer = ddp_main_grads(weights, descending)
-    view, flipped = linears.stacked_view([w.main_grad for w in weights])
+    view, flipped = tgg.stacked_view([w.main_grad for w in weights])
     assert flipped is descending and view.data_ptr() == buffer.data_ptr()
 
     def refuse(*args, **kwargs):
@@ -259,7 +260,7 @@ def test_main_grads_back_to_back_take_one_add(descending, monkeypatch):
 
 def test_scattered_main_grads_take_the_foreach_path_in_one_dtype(monkeypatch):
     weights = ddp_managed(expert_weights())  # separate fp32 tensors
-    assert linears.stacked_view([w.main_grad for w in weights]) is None
+    assert tgg.stacked_view([w.main_grad for w in weights]) is None
     seen = []
     add = torch._foreach_add_
 
@@ -277,10 +278,10 @@ def test_scattered_main_grads_take_the_foreach_path_in_one_dtype(monkeypatch):
 
 def test_stacked_view_refuses_gaps_and_mixed_shapes():
     buffer = torch.zeros(5, 2, 3)
-    assert linears.stacked_view([buffer[0], buffer[1], buffer[3]]) is None
-    assert linears.stacked_view([buffer[0], buffer[1, :1]]) is None
-    assert linears.stacked_view([buffer[0], torch.zeros(2, 3)]) is None
-    view, descending = linears.stacked_view([buffer[2]])
+    assert tgg.stacked_view([buffer[0], buffer[1], buffer[3]]) is None
+    assert tgg.stacked_view([buffer[0], buffer[1, :1]]) is None
+    assert tgg.stacked_view([buffer[0], torch.zeros(2, 3)]) is None
+    view, descending = tgg.stacked_view([buffer[2]])
     assert view.shape == (1, 2, 3) and not descending
 
 
@@ -290,10 +291,8 @@ def test_inside_a_graph_capture_the_reversed_copy_is_skipped(monkeypatch):
     add."""
     weights = expert_weights()
     ddp_main_grads(weights)
-    linears._wgrad_out_dtype(
-        torch.float32, torch.device("cpu")
-    )  # the probe runs before any capture
-    monkeypatch.setattr(linears, "capturing", lambda device: True)
+    tgg._wgrad_out_dtype(torch.float32, torch.device("cpu"))  # the probe runs before any capture
+    monkeypatch.setattr(tgg, "capturing", lambda device: True)
 
     def refuse(*args, **kwargs):
         raise AssertionError("reversed copy made")
@@ -306,10 +305,10 @@ def test_inside_a_graph_capture_the_reversed_copy_is_skipped(monkeypatch):
 
 
 def test_the_fp32_probe_refuses_to_run_inside_a_capture(monkeypatch):
-    monkeypatch.setattr(linears, "capturing", lambda device: True)
+    monkeypatch.setattr(tgg, "capturing", lambda device: True)
     with pytest.raises(RuntimeError, match="--cuda-graph-warmup-steps 1 or more"):
-        linears._wgrad_out_dtype(torch.float32, torch.device("cpu"))
-    assert linears._fp32_wgrad_supported == {}
+        tgg._wgrad_out_dtype(torch.float32, torch.device("cpu"))
+    assert tgg._fp32_wgrad_supported == {}
 
 
 def test_padded_device_splits_keep_the_rows_after_the_last_expert_zero(monkeypatch):
@@ -356,7 +355,7 @@ def test_gradients_in_the_main_grads_dtype_take_one_foreach_in_reverse(descendin
     they lie in order."""
     weights = expert_weights()
     ddp_main_grads(weights, descending, dtype=torch.bfloat16)
-    monkeypatch.setattr(linears, "capturing", lambda device: True)
+    monkeypatch.setattr(tgg, "capturing", lambda device: True)
     seen, adds = [], []
     add, tensor_add = torch._foreach_add_, torch.Tensor.add_
 
@@ -420,7 +419,7 @@ def test_the_first_forward_puts_the_weights_in_one_storage_and_the_gemms_stack_n
         assert isinstance(w, torch.nn.Parameter) and torch.equal(w, v)
         assert w.untyped_storage().data_ptr() == storage.data_ptr()
         assert w.storage_offset() == i * OUT * IN
-    view = linears.expert_stack(weights)
+    view = tgg.expert_stack(weights)
     assert view.shape == (len(SPLITS), OUT, IN) and view.data_ptr() == storage.data_ptr()
 
 
@@ -431,13 +430,13 @@ def test_weights_that_are_views_already_stay_and_are_stacked_per_gemm(monkeypatc
     weights = [torch.nn.Parameter(expert_weights()[0]) for _ in range(len(buffer))]
     for i, w in enumerate(weights):  # how DDP points them into its buffer
         w.data = buffer[len(buffer) - 1 - i]
-    assert not linears.share_one_storage(weights)
+    assert not tgg.share_one_storage(weights)
     assert all(w.untyped_storage().data_ptr() == buffer.data_ptr() for w in weights)
     assert [w.storage_offset() for w in weights] == [
         (len(buffer) - 1 - i) * OUT * IN for i in range(len(buffer))
     ]
-    stacked = linears.expert_stack(weights)
+    stacked = tgg.expert_stack(weights)
     assert stacked.data_ptr() != buffer.data_ptr()
     assert all(torch.equal(stacked[i], w) for i, w in enumerate(weights))
     mixed = expert_weights()[:2] + [torch.zeros(OUT + 1, IN, dtype=torch.bfloat16)]
-    assert not linears.share_one_storage(mixed)
+    assert not tgg.share_one_storage(mixed)
