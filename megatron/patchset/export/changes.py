@@ -75,6 +75,7 @@ SERIES = (
     "megatron.patchset.features.torch_adam.upstream:CHANGE",
     "megatron.patchset.core.compat:CHECKPOINT_EXIT_CHANGE",
     "megatron.patchset.features.fsdp_cuda_graphs.upstream:CHANGE",
+    "megatron.patchset.features.grouped_mm.upstream:CHANGE",
 )
 
 
