@@ -283,7 +283,7 @@ def grouped_mm_experts() -> dict:
         assert spec.GroupedMMForward is experts.GroupedMMForward
         assert arguments.FLAG is spec.FLAG is experts.FLAG
         assert arguments.SPLITS_FLAG is experts.SPLITS_FLAG is dispatcher.SPLITS_FLAG
-        assert arguments.ALIGNMENT is experts.ALIGNMENT
+        assert arguments.ALIGNMENT == experts._ALIGNMENT  # the rules' and the GEMM probe's
         for name in ("DeviceSplits", "grouped_mm", "group_offsets", "_offsets_cache"):
             assert not hasattr(spec, name) and not hasattr(dispatcher, name), name
         spec._enable_grouped_mm_fc1()
@@ -291,11 +291,11 @@ def grouped_mm_experts() -> dict:
         experts._enable_grouped_mm_splits_on_device_grouped_mlp()
         offsets_cache = experts._offsets_cache
     else:
-        from megatron.patchset.features.grouped_mm import linears
+        from megatron.patchset.features.grouped_mm import torch_grouped_gemm
 
         features.load()
         registry.apply_patches([registry.get(name) for name in GROUPED_MM_PATCHES])
-        offsets_cache = linears._offsets_cache
+        offsets_cache = torch_grouped_gemm._offsets_cache
 
     splits = [3, 0, 6, 2]
     with warnings.catch_warnings():

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 # bf16 rows and columns must start on 16-byte boundaries for the grouped GEMM kernels.
-ALIGNMENT = 8
+_ALIGNMENT = 8
 ADD_REVERSED_BLOCK = 2048
 
 
@@ -163,8 +163,8 @@ def _wgrad_out_dtype(main_grad_dtype: torch.dtype, device: torch.device) -> torc
                 "capture, where the grouped GEMM's fp32-output probe cannot run; capture after "
                 "at least one eager step (--cuda-graph-warmup-steps 1 or more)"
             )
-        a = torch.zeros(2 * ALIGNMENT, 2 * ALIGNMENT, dtype=torch.bfloat16, device=device)
-        offs = torch.tensor([ALIGNMENT, 2 * ALIGNMENT], dtype=torch.int32, device=device)
+        a = torch.zeros(2 * _ALIGNMENT, 2 * _ALIGNMENT, dtype=torch.bfloat16, device=device)
+        offs = torch.tensor([_ALIGNMENT, 2 * _ALIGNMENT], dtype=torch.int32, device=device)
         try:  # the weight-gradient form: (out, rows) x (rows, in), rows split into two groups
             F.grouped_mm(a.t(), a, offs=offs, out_dtype=torch.float32)
             supported = True
