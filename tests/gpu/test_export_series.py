@@ -46,6 +46,17 @@ FSDP_GRAPHS = (
     "--cuda-graph-modules",
     "attn",
 )
+# experts as torch grouped GEMMs with the counts on the device, in a full-iteration graph
+GROUPED_MM = (
+    "--moe-permute-fusion",
+    "--moe-grouped-gemm-impl",
+    "torch",
+    "--moe-expert-splits-on-device",
+    "--cuda-graph-impl",
+    "full_iteration",
+    "--cuda-graph-warmup-steps",
+    "2",
+)
 # change name: (the overlay's flags, the flags of the edited upstream tree, environment), the
 # flags added to the tiny config and NUMERICS
 CHANGE_RUNS = {
@@ -56,6 +67,7 @@ CHANGE_RUNS = {
     ),
     "torch_adam": (("--adam-impl", "triton"), ("--adam-fusion-impl", "triton"), {}),
     "fsdp_cuda_graphs": (FSDP_GRAPHS, FSDP_GRAPHS, FSDP_ENV),
+    "grouped_mm": (GROUPED_MM, GROUPED_MM, {}),
 }
 # Changes whose upstream form is not the overlay's code path bit for bit, and why: compared within
 # the tolerance of the feature's own GPU tests instead.
