@@ -10,7 +10,9 @@ on the installed megatron-core, bit for bit under ``--deterministic-mode``:
 Skips without the snapshots.
 """
 
+import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -64,7 +66,7 @@ CHANGE_RUNS = {
         ("--cross-entropy-loss-fusion", "--cross-entropy-triton"),
         ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "triton"),
         {},
-    ),
+    ),  # megatron refuses --deterministic-mode with a fused cross entropy: NOT_BITWISE
     "torch_adam": (("--adam-impl", "triton"), ("--adam-fusion-impl", "triton"), {}),
     "fsdp_cuda_graphs": (FSDP_GRAPHS, FSDP_GRAPHS, FSDP_ENV),
     "grouped_mm": (GROUPED_MM, GROUPED_MM, {}),
@@ -74,7 +76,20 @@ CHANGE_RUNS = {
 NOT_BITWISE = {
     "torch_adam": "the overlay folds megatron's gradient clip into the kernel's step; the change "
     "leaves the clip to megatron",
+    "triton_cross_entropy": "megatron refuses --deterministic-mode with "
+    "--cross-entropy-loss-fusion, so both runs are nondeterministic",
 }
+
+
+RUN_CHECKOUT = os.path.join(ROOT, "tests", "gpu", "harness", "run_checkout.py")
+
+
+def _installed_datasets() -> str:
+    """The installed megatron-core's datasets folder: its built helpers serve the checkout too (a
+    checkout builds them with make and pybind11 at the first run)."""
+    import megatron.core.datasets
+
+    return os.path.dirname(os.path.abspath(megatron.core.datasets.__file__))
 
 
 def _run(*argv, cwd):
@@ -118,27 +133,35 @@ def runs(tmp_path_factory):
     assert where.startswith(tree), where
     tmp = tmp_path_factory.mktemp("series_runs")
     base = tiny_argv("--train-iters", str(ITERS), *NUMERICS)
+    loose = tiny_argv("--train-iters", str(ITERS), *NUMERICS[2:])  # without --deterministic-mode
+    assert NUMERICS[:2] == ("--deterministic-mode", "--te-rng-tracker")
+    # the checkout's own pretrain_gpt.py, recording its metrics (its megatron-core is 0.19.1)
+    entry = [RUN_CHECKOUT, os.path.join(tree, "pretrain_gpt.py")]
+    for lib in glob.glob(os.path.join(_installed_datasets(), "helpers_cpp*.so")):
+        shutil.copy(lib, os.path.join(tree, "megatron", "core", "datasets"))
     jobs = [
         dict(tmp_path=tmp, name="overlay_plain", nproc=1, argv=base),
-        dict(tmp_path=tmp, name="series_plain", nproc=1, argv=base, env=edited),
+        dict(tmp_path=tmp, name="series_plain", nproc=1, argv=base, env=edited, entry=entry),
     ]
     in_series = {change.name for change in changes.series()}
     for name, (overlay, upstream, env) in CHANGE_RUNS.items():
+        argv = loose if name == "triton_cross_entropy" else base
         if name in in_series:
             jobs += [
                 dict(
                     tmp_path=tmp,
                     name=f"overlay_{name}",
                     nproc=1,
-                    argv=base + list(overlay),
+                    argv=argv + list(overlay),
                     env=env,
                 ),
                 dict(
                     tmp_path=tmp,
                     name=f"series_{name}",
                     nproc=1,
-                    argv=base + list(upstream),
+                    argv=argv + list(upstream),
                     env={**env, **edited},
+                    entry=entry,
                 ),
             ]
     return tree, launch_many(jobs)
