@@ -313,3 +313,27 @@ def test_upstream_cannot_capture_a_dropless_moe_step(tmp_path):
     assert (
         "cudaErrorCapturedEvent" in log or "operation not permitted when stream is capturing" in log
     )
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("experts,k,n,pad", [(4, 256, 512, 1000), (16, 2048, 1536, 8192)])
+def test_zero_rows_after_the_last_group_change_no_bit_of_the_real_rows(experts, k, n, pad):
+    """The static dispatch hands the experts a buffer with zero rows after the last expert's:
+    torch's grouped GEMM gives the real rows' output, input gradient and weight gradients the same
+    bits with or without them."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    counts = torch.randint(0, 75, (experts,)) * 8
+    total = int(counts.sum())
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
+    xp = torch.cat([x, x.new_zeros(pad, k)])
+    dyp = torch.cat([dy, dy.new_zeros(pad, n)])
+    wt = w.transpose(1, 2)
+    assert torch.equal(F.grouped_mm(x, wt, offs=offs), F.grouped_mm(xp, wt, offs=offs)[:total])
+    assert torch.equal(F.grouped_mm(dy, w, offs=offs), F.grouped_mm(dyp, w, offs=offs)[:total])
+    assert torch.equal(F.grouped_mm(dy.t(), x, offs=offs), F.grouped_mm(dyp.t(), xp, offs=offs))
