@@ -1,6 +1,6 @@
 """What the export tests share: the exported tree (every exportable feature exported onto
 megatron-core's installed source, the wheel's ``megatron/`` package), and for the series the
-Megatron-LM snapshots with what runs on them once per test session (:mod:`.snapshots`)."""
+Megatron-LM snapshots with what runs on them once per pytest run (:mod:`.snapshots`)."""
 
 import os
 
@@ -26,8 +26,8 @@ def exported(tmp_path_factory):
     return str(out), result
 
 
-# Built once per branch and test session, whatever order pytest runs the parametrized tests in
-# (it may set a session fixture up again when its parameter comes back).
+# Built once per branch and pytest run, whatever order pytest runs the parametrized tests in (it
+# may set a parametrized fixture up again when its parameter comes back).
 _BUILT: dict = {}
 
 
@@ -37,10 +37,10 @@ def _once(key, build):
     return _BUILT[key]
 
 
-@pytest.fixture(scope="session", params=snapshots.BRANCHES)
+@pytest.fixture(scope="package", params=snapshots.BRANCHES)
 def series(request, tmp_path_factory) -> snapshots.Trees:
     """A snapshot unedited, with the whole series applied by ``git am -3``, and with only the
-    series' new files and test edits; one set per branch and test session."""
+    series' new files and test edits; one set per branch and pytest run."""
     if not os.path.isfile(os.path.join(snapshots.SNAPSHOTS, "checkout.sh")):
         pytest.skip(f"no Megatron-LM snapshots at {snapshots.SNAPSHOTS}")
     return _once(("trees", request.param), lambda: _build(request.param, tmp_path_factory))
@@ -62,7 +62,7 @@ def _build(branch, tmp_path_factory) -> snapshots.Trees:
     return snapshots.Trees(branch, plain, edited, patches, tests_only)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def upstream_tests(series) -> dict:
     """One pytest run on the edited tree (upstream's CPU tests of the arguments and configs and
     every test file of the series) and one of the series' test files on the tree without the
@@ -79,7 +79,7 @@ def upstream_tests(series) -> dict:
     return _once(("tests", series.branch), build)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def help_text(series) -> str:
     """``pretrain_gpt.py --help`` on the edited tree (it fails on the unedited snapshots)."""
 
@@ -91,7 +91,7 @@ def help_text(series) -> str:
     return _once(("help", series.branch), build)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def parsed_configs(series, tmp_path_factory) -> dict:
     """megatron's parser, validate_args and optimizer config for every run of
     :func:`snapshots.all_config_runs`: {"plain": ..., "edited": ...}."""

@@ -2,7 +2,7 @@
 
 ``MEGATRON_LM_SNAPSHOTS`` (by default ``../shared/upstream`` beside this repository) holds
 snapshots of core_r0.19.0 and main that its ``checkout.sh`` makes git checkouts. Each branch gets,
-once per test session (``tests/unit/export/conftest.py``):
+once per pytest run (``tests/unit/export/conftest.py``):
 
 * :class:`Trees`: an unedited checkout, one with the whole series applied by ``git am -3``, and
   one with only what the series adds as new files and its edits of upstream's tests (none of its
