@@ -125,12 +125,13 @@ def select(names: list[str] | None) -> list[UpstreamChange]:
     if unknown:
         from megatron.patchset.core import features
 
-        not_yet = [name for name in unknown if name in {f.name for f in features.load()}]
-        why = (
-            f"{', '.join(not_yet)}: a feature not yet declared as edits of upstream functions "
-            "(the export without --series writes it as a file-level patch); "
-            if not_yet
-            else ""
+        loaded = {f.name: f for f in features.load()}
+        why = "".join(
+            f"{name}: {loaded[name].upstream_pr}, not sent upstream; "
+            if not loaded[name].upstream_pr.exportable
+            else f"{name}: a feature not yet declared as edits of upstream functions; "
+            for name in unknown
+            if name in loaded
         )
         raise PatchsetError(
             f"{why}no upstream change named {', '.join(unknown)}; the series holds: "

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from megatron.patchset.core import compat, registry
+from megatron.patchset.core import compat, features, registry
 from megatron.patchset.export import changes, edits
 
 SOURCE = '''\
@@ -122,8 +122,12 @@ def test_an_unknown_change_is_refused_with_the_series():
     with pytest.raises(Exception, match="no upstream change named nope; the series holds: help"):
         changes.select(["nope"])
     assert [c.name for c in changes.select(None)] == [c.name for c in changes.series()]
-    with pytest.raises(Exception, match="grouped_mm: a feature not yet declared as edits"):
-        changes.select(["grouped_mm"])
+    with pytest.raises(Exception, match=r"static_dispatch: fork-only \(.*\), not sent upstream"):
+        changes.select(["static_dispatch"])
+    # every feature meant for upstream is in the series or refused by name
+    declared = {c.name for c in changes.series()} | set(changes.refusals())
+    meant = {f.name for f in features.load() if f.upstream_pr.exportable}
+    assert meant <= declared, meant - declared
     with pytest.raises(Exception, match="p2p_overlap: not in the patch series: .*get_fp8_context"):
         changes.select(["p2p_overlap"])
 
