@@ -20,6 +20,9 @@ from megatron.patchset.core.preflight import PreflightError
 from tests.unit.conftest import ROOT
 from tests.unit.support import cpu_checkpoint, cpu_train
 
+# Its module fixtures are built once: every test of the module runs in one xdist worker.
+pytestmark = pytest.mark.xdist_group("checkpoint-check")
+
 TRACKER = "latest_checkpointed_iteration.txt"
 SHARD = "__0_0.distcp"
 

@@ -15,6 +15,10 @@ import pytest
 
 from tests.unit.conftest import ROOT
 
+# The package fixture `exported` is built once: test_export.py and test_equivalence.py run in
+# one xdist worker.
+pytestmark = pytest.mark.xdist_group("exported-installed-source")
+
 
 def _scenarios(tmp_path, name, env):
     out = tmp_path / f"{name}.json"

@@ -23,6 +23,10 @@ from megatron.patchset.export.source import (
 )
 from tests.unit.export.conftest import installed_source
 
+# The package fixture `exported` is built once: test_export.py and test_equivalence.py run in
+# one xdist worker.
+pytestmark = pytest.mark.xdist_group("exported-installed-source")
+
 EXPORTABLE = [f.name for f in features.load() if exportability(f) is None]
 
 

@@ -15,6 +15,9 @@ import torch.multiprocessing as mp
 from megatron.patchset.features import offload
 from tests.unit.support.cpu_train import free_port
 
+# Its module fixtures are built once: every test of the module runs in one xdist worker.
+pytestmark = pytest.mark.xdist_group("offload-api")
+
 STEPS_BEFORE, STEPS_AFTER = 3, 3
 
 

@@ -21,6 +21,9 @@ from megatron.patchset.features.torch_adam.optimizer import build_adam
 from tests.unit.support import cpu_distributed_optimizer as worker
 from tests.unit.support import cpu_train
 
+# Its module fixtures are built once: every test of the module runs in one xdist worker.
+pytestmark = pytest.mark.xdist_group("torch-adam-distributed")
+
 N, K = 6, 3  # iterations of a run; the iteration a checkpoint is saved at
 STEP_PATCHES = ["torch_adam.dist_opt_save_step", "torch_adam.dist_opt_load_step"]
 TRITON = importlib.util.find_spec("triton") is not None
