@@ -37,6 +37,18 @@ DETERMINISTIC = (
     "--hidden-dropout",
     "0",
 )
+# The experts as torch grouped GEMMs with the counts on the device, the step in one
+# full-iteration CUDA graph (the grouped_mm feature's flags, as upstream and the fork name them).
+GROUPED_MM_GRAPHED = (
+    "--moe-permute-fusion",
+    "--moe-grouped-gemm-impl",
+    "torch",
+    "--moe-expert-splits-on-device",
+    "--cuda-graph-impl",
+    "full_iteration",
+    "--cuda-graph-warmup-steps",
+    "2",
+)
 # Megatron-LM's own script, unmodified: entry=[UPSTREAM_ENTRY, UPSTREAM_SCRIPT].
 UPSTREAM_ENTRY = os.path.join(ROOT, "tools", "bench", "run_upstream.py")
 

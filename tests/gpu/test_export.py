@@ -19,7 +19,14 @@ import pytest
 from megatron.patchset.core import features
 from megatron.patchset.export import export
 from megatron.patchset.export.plan import exportability
-from tests.gpu.conftest import ROOT, first_difference, launch_many, tiny_argv
+from tests.gpu.conftest import (
+    DETERMINISTIC,
+    GROUPED_MM_GRAPHED,
+    ROOT,
+    first_difference,
+    launch_many,
+    tiny_argv,
+)
 from tests.gpu.features.fsdp_cuda_graphs.test_cuda_graphs_fsdp import ENV as FSDP_ENV
 from tests.gpu.features.fsdp_cuda_graphs.test_cuda_graphs_fsdp import FSDP, NUMERICS
 
@@ -35,21 +42,9 @@ GRAPHS = (
     "attn",
 )
 FULL_ITERATION = (
-    "--deterministic-mode",
-    "--te-rng-tracker",
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--moe-permute-fusion",
+    *DETERMINISTIC,
     "--no-check-for-nan-in-loss-and-grad",
-    "--moe-grouped-gemm-impl",
-    "torch",
-    "--moe-expert-splits-on-device",
-    "--cuda-graph-impl",
-    "full_iteration",
-    "--cuda-graph-warmup-steps",
-    "2",
+    *GROUPED_MM_GRAPHED,
     "--logging-level",
     "20",
 )

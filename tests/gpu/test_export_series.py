@@ -21,6 +21,7 @@ import pytest
 from megatron.patchset.export import changes
 from tests.gpu.conftest import (
     DETERMINISTIC,
+    GROUPED_MM_GRAPHED,
     ROOT,
     assert_trains_alike,
     first_difference,
@@ -29,36 +30,14 @@ from tests.gpu.conftest import (
 )
 from tests.gpu.features.fsdp_cuda_graphs.test_cuda_graphs_fsdp import ENV as FSDP_ENV
 from tests.gpu.features.fsdp_cuda_graphs.test_cuda_graphs_fsdp import FSDP
+from tests.gpu.test_export import GRAPHS as TE_LAYER_GRAPHS
+from tests.unit.export import snapshots
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1), snapshots.needs_snapshots]
 
-SNAPSHOTS = os.environ.get(
-    "MEGATRON_LM_SNAPSHOTS", os.path.join(os.path.dirname(ROOT), "shared", "upstream")
-)
 BRANCH = "core_r0.19.0"
 ITERS = 10
 NUMERICS = (*DETERMINISTIC, "--no-check-for-nan-in-loss-and-grad")
-# TE per-layer graphs with Megatron-FSDP, as the feature's own GPU tests run them
-FSDP_GRAPHS = (
-    *FSDP,
-    "--cuda-graph-impl",
-    "transformer_engine",
-    "--cuda-graph-warmup-steps",
-    "3",
-    "--cuda-graph-modules",
-    "attn",
-)
-# experts as torch grouped GEMMs with the counts on the device, in a full-iteration graph
-GROUPED_MM = (
-    "--moe-permute-fusion",
-    "--moe-grouped-gemm-impl",
-    "torch",
-    "--moe-expert-splits-on-device",
-    "--cuda-graph-impl",
-    "full_iteration",
-    "--cuda-graph-warmup-steps",
-    "2",
-)
 # change name: (the overlay's flags, the flags of the edited upstream tree, environment), the
 # flags added to the tiny config and NUMERICS
 CHANGE_RUNS = {
@@ -68,8 +47,9 @@ CHANGE_RUNS = {
         {},
     ),  # megatron refuses --deterministic-mode with a fused cross entropy: NOT_BITWISE
     "torch_adam": (("--adam-impl", "triton"), ("--adam-fusion-impl", "triton"), {}),
-    "fsdp_cuda_graphs": (FSDP_GRAPHS, FSDP_GRAPHS, FSDP_ENV),
-    "grouped_mm": (GROUPED_MM, GROUPED_MM, {}),
+    # TE per-layer graphs with Megatron-FSDP, as the feature's own GPU tests run them
+    "fsdp_cuda_graphs": ((*FSDP, *TE_LAYER_GRAPHS), (*FSDP, *TE_LAYER_GRAPHS), FSDP_ENV),
+    "grouped_mm": (GROUPED_MM_GRAPHED, GROUPED_MM_GRAPHED, {}),
 }
 # Changes whose upstream form is not the overlay's code path bit for bit, and why: compared within
 # the tolerance of the feature's own GPU tests instead.
@@ -92,29 +72,17 @@ def _installed_datasets() -> str:
     return os.path.dirname(os.path.abspath(megatron.core.datasets.__file__))
 
 
-def _run(*argv, cwd):
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return done
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    checkout_sh = os.path.join(SNAPSHOTS, "checkout.sh")
-    if not os.path.isfile(checkout_sh):
-        pytest.skip(f"no Megatron-LM snapshots at {SNAPSHOTS} (set MEGATRON_LM_SNAPSHOTS)")
     root = tmp_path_factory.mktemp("series")
-    tree = str(root / "megatron-lm")
-    _run("bash", checkout_sh, BRANCH, tree, cwd=ROOT)
-    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_PATCHSET"}
-    export = [sys.executable, "-m", "megatron.patchset", "export", "--series"]
-    export += ["--megatron-lm", tree, "--out", str(root / "patches")]
-    export += ["--author", "Jane Doe <jane@example.com>", "--date", "2026-11-27T12:00:00+00:00"]
-    done = subprocess.run(export, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    tree = snapshots.checkout(BRANCH, root / "megatron-lm")
+    done = snapshots.export(
+        tree, root / "patches", "--author", snapshots.AUTHOR, "--date", snapshots.DATE
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     patches = sorted(str(p) for p in (root / "patches").glob("*.patch"))
-    ident = ["-c", "user.name=Reviewer", "-c", "user.email=reviewer@example.com"]
-    _run("git", "-C", tree, *ident, "am", "-3", *patches, cwd=ROOT)
+    am = snapshots.git(tree, "am", "-3", *patches)
+    assert am.returncode == 0, am.stderr[-3000:]
     # The checkout first; what the environment already has on the path stays behind it.
     inherited = os.environ.get("PYTHONPATH", "")
     edited = {
