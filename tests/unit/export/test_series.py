@@ -86,15 +86,63 @@ def test_the_patches_are_byte_identical_across_hash_seeds(series, tmp_path):
         )
 
 
+def _added_lines(path) -> list[str]:
+    return [
+        line
+        for line in open(path).read().splitlines()
+        if not line.startswith(("-", " ", "@@", "diff ", "index ", "new file mode"))
+    ]
+
+
 def test_no_fork_identifier_reaches_a_patch(series):
     for path in series.patches:
-        added = [
-            line
-            for line in open(path).read().splitlines()
-            if not line.startswith(("-", " ", "@@", "diff ", "index ", "new file mode"))
-        ]
-        leaks = [line for line in added if snapshots.LEAKS.search(line)]
+        leaks = [line for line in _added_lines(path) if snapshots.LEAKS.search(line)]
         assert not leaks, f"{os.path.basename(path)}: {leaks}"
+
+
+def _fork_flags() -> list[str]:
+    """The flags the fork adds to megatron's parser."""
+    import argparse
+
+    from megatron.patchset.core.flags import add_patchset_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_patchset_args(parser)
+    return [o for action in parser._actions for o in action.option_strings]
+
+
+def test_no_fork_only_flag_or_argument_reaches_a_patch(series):
+    """Every flag of the fork that the series does not add to upstream (as an argument or a
+    config field): neither the flag nor its argument name appears in what a patch adds."""
+    added = {path: _added_lines(path) for path in series.patches}
+    defined = {
+        flag
+        for lines in added.values()
+        for line in lines
+        for flag in re.findall(r"""^\+\s*['"](--[a-z0-9-]+)['"],?$""", line)
+    }
+    defined |= {
+        flag
+        for lines in added.values()
+        for line in lines
+        for flag in re.findall(r"""add_argument\(\s*['"](--[a-z0-9-]+)['"]""", line)
+    }
+    # a new config field is a flag of upstream's argument utilities
+    defined |= {
+        "--" + field.replace("_", "-")
+        for lines in added.values()
+        for line in lines
+        for field in re.findall(r"^\+    ([a-z][a-z0-9_]*): [^=]+ = ", line)
+    }
+    fork_only = [flag for flag in _fork_flags() if flag not in defined]
+    assert "--moe-static-dispatch" in fork_only and "--adam-impl" in fork_only
+    assert "--moe-grouped-gemm-impl" not in fork_only  # the grouped_mm change adds it upstream
+    for flag in fork_only:
+        name = flag[2:].replace("-", "_")
+        found = re.compile(rf"(?<![\w-]){re.escape(flag)}(?![\w-])|\b{name}\b")
+        for path, lines in added.items():
+            leaks = [line for line in lines if found.search(line)]
+            assert not leaks, f"{os.path.basename(path)}: {flag}: {leaks}"
 
 
 def _lint_counts(tree, paths):
