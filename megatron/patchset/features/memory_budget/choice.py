@@ -139,6 +139,7 @@ def shape_of(args: Any) -> Shape:
 
     from megatron.patchset.core import dry_run, preflight
 
+    dry_run.fill_padded_vocab_size(args)
     with contextlib.redirect_stdout(io.StringIO()):
         config = preflight.megatron_validated(lambda: core_transformer_config_from_args(args))
         dense, expert = dry_run.parameter_split(args, config)

@@ -76,5 +76,7 @@ def _layout(args):
     if getattr(args, "use_megatron_fsdp", False):
         problems.append("megatron's DDP, not --use-megatron-fsdp")
     return listed(
-        f"{FLAG} estimates layouts of expert and data parallelism only; it needs: ", problems
+        f"{FLAG} {args.memory_budget} estimates layouts of expert and data parallelism only; "
+        "it needs: ",
+        problems,
     )
