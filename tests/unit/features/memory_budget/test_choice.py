@@ -230,3 +230,19 @@ def test_the_dry_run_refuses_what_no_lever_fits_in_one_line():
     message = [line for line in out.splitlines() if "MEMORY=40G" in line]
     assert len(message) == 1 and "needs about" in message[0] and "36.0 GiB" in message[0]
     assert "dry-run: INVALID" in out
+
+
+def test_a_launch_is_refused_before_training_when_nothing_fits():
+    """pretrain_gpt.py resolves the budget before the model config and exits with the one line
+    (a PatchsetError) when no combination fits."""
+    from megatron.patchset.core import model_hooks
+    from megatron.patchset.core.dry_run import target_device
+
+    args = validated(tiny_argv("--memory-budget", "0.01G"))
+    args.rank = 0
+    with target_device(), contextlib.redirect_stdout(io.StringIO()):
+        with pytest.raises(
+            BudgetError, match=r"^megatron-patchset: MEMORY=0.01G \(--memory-budget"
+        ):
+            model_hooks.resolve_arguments(args)
+    assert args.recompute_granularity is None
