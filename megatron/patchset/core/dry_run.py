@@ -285,6 +285,9 @@ def _build_and_split(args: argparse.Namespace, config) -> tuple[int, int]:
         cuda_graph_impl="none",
         inference_cuda_graph_scope=None,
     )
+    # megatron's model constructor sets TransformerEngine's attention-backend variables; a launch
+    # (--memory-budget) builds its real model later and sets them itself
+    saved_env = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
     torch.distributed.init_process_group(
         "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
     )
@@ -315,6 +318,10 @@ def _build_and_split(args: argparse.Namespace, config) -> tuple[int, int]:
         logging.disable(logging.NOTSET)
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+        for name in [k for k in os.environ if k.startswith("NVTE_")]:
+            if name not in saved_env:
+                del os.environ[name]
+        os.environ.update(saved_env)
 
 
 def fill_padded_vocab_size(args: argparse.Namespace) -> str | None:
