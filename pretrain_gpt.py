@@ -8,7 +8,8 @@ Start-up order:
   1. megatron's parser with the fork's flags; the fork's layout rules (parallel sizes against
      the world size), before megatron's own checks so that errors name the flag; the checkpoint
      that --load names (metadata and file sizes);
-  2. megatron's ``parse_and_validate_args``;
+  2. megatron's ``parse_and_validate_args``; what a fork flag leaves to be chosen from the
+     validated layout (``--memory-budget``'s levers);
   3. the model config (``TransformerConfig.__post_init__`` checks) and the fork's
      combination rules;
   4. the patches the flags ask for;
@@ -325,7 +326,8 @@ def preflight_args():
     launcher's environment; what needs no flags (compat patches, e.g. for --help); the fork's
     layout rules; the checkpoint --load names (before megatron reads it, also with
     --use-checkpoint-args); the GPU (before megatron asks the driver); megatron's validation; the
-    model config and the fork's combination rules; the packages; the patches."""
+    arguments the fork's flags choose from the validated layout; the model config and the fork's
+    combination rules; the packages; the patches."""
     preflight.check_environment()
     registry.apply(None)
     raw = parse_args(add_patchset_args)
@@ -337,6 +339,8 @@ def preflight_args():
     args = preflight.megatron_validated(
         lambda: parse_and_validate_args(extra_args_provider=add_patchset_args)
     )
+    for line in model_hooks.resolve_arguments(args):
+        print_rank_0(f"> megatron-patchset {line}")
     model_config = model_config_from_args(args)
     _check_packages(args)
     applied = registry.apply(args)

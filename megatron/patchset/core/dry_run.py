@@ -27,6 +27,7 @@ from megatron.patchset.core import (
     checkpoint_check,
     features,
     flags,
+    model_hooks,
     preflight,
     registry,
     rules,
@@ -198,6 +199,46 @@ def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
     same parameters as TransformerEngine's; nothing is allocated. Active parameters count
     ``moe_router_topk`` of the ``num_moe_experts`` routed experts.
     """
+    dense, expert = parameter_split(args, config)
+    total = dense + expert
+    active = dense
+    if config.num_moe_experts:
+        active += expert * config.moe_router_topk // config.num_moe_experts
+    return total, active
+
+
+def parameter_split(args: argparse.Namespace, config) -> tuple[int, int]:
+    """(dense, expert) parameters of the whole model, built on the meta device: expert
+    parameters are the routed experts' (megatron shards them over the expert-parallel group and
+    their optimizer state over the expert data-parallel group), dense ones everything else
+    (shared experts, router, attention, norms, embeddings and output layer).
+
+    The model is built unsharded (all parallel sizes 1) with the local layer spec, which has the
+    same parameters as TransformerEngine's; nothing is allocated. The counts are kept per model
+    shape (the dry-run and ``--memory-budget`` both ask).
+    """
+    import dataclasses
+
+    key = (
+        args.padded_vocab_size,
+        args.max_position_embeddings,
+        args.position_embedding_type,
+        args.untie_embeddings_and_output_weights,
+        tuple(
+            (field.name, repr(getattr(config, field.name)))
+            for field in dataclasses.fields(config)
+            if not callable(getattr(config, field.name))
+        ),
+    )
+    if key not in _SPLITS:
+        _SPLITS[key] = _build_and_split(args, config)
+    return _SPLITS[key]
+
+
+_SPLITS: dict[tuple, tuple[int, int]] = {}
+
+
+def _build_and_split(args: argparse.Namespace, config) -> tuple[int, int]:
     import dataclasses
 
     import torch
@@ -244,6 +285,9 @@ def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
         cuda_graph_impl="none",
         inference_cuda_graph_scope=None,
     )
+    # megatron's model constructor sets TransformerEngine's attention-backend variables; a launch
+    # (--memory-budget) builds its real model later and sets them itself
+    saved_env = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
     torch.distributed.init_process_group(
         "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
     )
@@ -263,19 +307,21 @@ def count_parameters(args: argparse.Namespace, config) -> tuple[int, int]:
                 position_embedding_type=args.position_embedding_type,
                 share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             )
-        total = expert = 0
+        dense = expert = 0
         for name, param in model.named_parameters():
-            total += param.numel()
             if ".experts." in name and "shared_experts" not in name:
                 expert += param.numel()
-        active = total - expert
-        if single.num_moe_experts:
-            active += expert * single.moe_router_topk // single.num_moe_experts
-        return total, active
+            else:
+                dense += param.numel()
+        return dense, expert
     finally:
         logging.disable(logging.NOTSET)
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+        for name in [k for k in os.environ if k.startswith("NVTE_")]:
+            if name not in saved_env:
+                del os.environ[name]
+        os.environ.update(saved_env)
 
 
 def fill_padded_vocab_size(args: argparse.Namespace) -> str | None:
@@ -329,8 +375,10 @@ def _checked_args(extra_args_provider: Callable):
     checkpoint = checkpoint_check.check(args, read_metadata=True)
     with contextlib.redirect_stdout(io.StringIO()):
         preflight.megatron_validated(lambda: validate_args(args, {}))
-        config = preflight.megatron_validated(lambda: core_transformer_config_from_args(args))
     notes = [note for note in [fill_padded_vocab_size(args)] if note]
+    model_hooks.resolve_arguments(args)  # the dry-run prints each feature's report instead
+    with contextlib.redirect_stdout(io.StringIO()):
+        config = preflight.megatron_validated(lambda: core_transformer_config_from_args(args))
     rules.validate(args, "combination", config=config)
     patches = registry.selected(args)
     return args, config, patches, notes, checkpoint
@@ -422,6 +470,9 @@ def _report(args, config, patches, notes, checkpoint, counted, emulated, say) ->
         say(f"note: {note}")
     for line in _memory_lines(args):
         say(line)
+    for feature in enabled:
+        for line in feature.report(args) if feature.report is not None else []:
+            say(line)
     say("packages the run needs:")
     for package, why in required_packages(args):
         here = "installed here" if installed(package) else "not installed here"

@@ -58,6 +58,13 @@ class Feature:
             changes nothing else: what changes upstream behaviour is a registered patch.
         in_use: ``args -> [flag as typed]``: what of the feature a run uses (the dry-run prints
             it); the switches by default.
+        resolve_args: ``args -> line or None``, called in every launch and ``--dry-run`` after
+            megatron's argument validation and before the model's TransformerConfig is built:
+            sets megatron arguments that the feature's flag leaves to be chosen from the validated
+            layout (a memory budget's levers) and returns a line for the log; raises a
+            ``PatchsetError`` with one line when no choice is possible.
+        report: ``args -> [line]``: what ``--dry-run`` prints for the feature after the memory
+            estimate (a choice ``resolve_args`` made and its alternatives).
     """
 
     name: str
@@ -72,6 +79,8 @@ class Feature:
     packages: Callable[[Any], PackageList] = _no_packages
     configure_config: Callable[[Any, Any], None] | None = None
     in_use: Callable[[Any], list[str]] | None = None
+    resolve_args: Callable[[Any], str | None] | None = None
+    report: Callable[[Any], list[str]] | None = None
 
     def __post_init__(self):
         try:

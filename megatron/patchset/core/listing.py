@@ -9,6 +9,8 @@ from megatron.patchset.core.versions import SUPPORTED_MCORE_VERSION
 WIDTH = 100
 # What a feature's configure_config does (README, "How the overlay works").
 CONFIG_LINE = "its options copied onto megatron's TransformerConfig, read only by its patches"
+# What a feature's resolve_args does (README, "How the overlay works").
+RESOLVE_LINE = "megatron arguments its flag chooses, set after megatron's validation"
 
 
 def wrap(text: str, indent: str, first: str | None = None, width: int = WIDTH) -> list[str]:
@@ -89,6 +91,8 @@ def format_list(reasons: bool = False) -> str:
         out += wrap(_export_line(feature), "      ", "  export: ")
         if feature.configure_config is not None:
             out += wrap(CONFIG_LINE, "      ", "  config: ")
+        if feature.resolve_args is not None:
+            out += wrap(RESOLVE_LINE, "      ", "  resolves: ")
         feature_rules = [r.name for r in rules.all_rules() if r.feature == feature.name]
         if feature_rules:
             out += wrap(", ".join(feature_rules), "      ", "  rules: ")

@@ -15,4 +15,5 @@ ORDER = (
     "torch_adam",
     "triton_cross_entropy",
     "offload",
+    "memory_budget",
 )

@@ -93,7 +93,7 @@ def markdown() -> str:
         out += ["", f"## {recipe.name}", "", doc, "", "| knob | default | values | what |"]
         out += ["|---|---|---|---|"]
         for knob in recipe.knobs:
-            values = "\\|".join(knob.choices) if knob.choices else knob.kind
+            values = "\\|".join(knob.values_text) if knob.choices else knob.kind
             out.append(f"| `{knob.name}` | `{knob.default}` | {values} | {knob.help} |")
         out += ["", "Default flags:", "", "```", _wrap(shlex.join(built.flags)), "```"]
         if built.env:

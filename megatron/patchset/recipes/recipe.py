@@ -35,11 +35,14 @@ class Knob:
     Attributes:
         name: the environment variable a launcher reads (upper case).
         kind: ``whole`` (an integer >= ``minimum``), ``number`` (a finite number >= 0),
-            ``switch`` (0 or 1), ``choice`` (one of ``choices``) or ``words`` (a list of words).
+            ``switch`` (0 or 1), ``choice`` (one of ``choices``, or text that ``pattern``
+            matches) or ``words`` (a list of words).
         default: the value as text.
         help: one line for ``--list`` and the docs.
         choices: the values a ``choice`` knob takes.
         minimum: the least value of a ``whole`` knob.
+        pattern: a regular expression of the further values a ``choice`` knob takes, matched in
+            full (``[0-9]+G``); ``pattern_name`` is how the docs and messages write it (``<N>G``).
     """
 
     name: str
@@ -48,13 +51,25 @@ class Knob:
     help: str
     choices: tuple[str, ...] = ()
     minimum: int = 1
+    pattern: str = ""
+    pattern_name: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise PatchsetError(f"knob {self.name}: kind {self.kind!r} is not one of {KINDS}")
         if (self.kind == "choice") != bool(self.choices):
             raise PatchsetError(f"knob {self.name}: choices go with kind 'choice' only")
+        if bool(self.pattern) != bool(self.pattern_name) or (self.pattern and not self.choices):
+            raise PatchsetError(
+                f"knob {self.name}: a pattern goes with its name and a 'choice' knob only"
+            )
         self.parse(self.default)
+
+    @property
+    def values_text(self) -> tuple[str, ...]:
+        """The values of a ``choice`` knob as the docs write them: its choices, then its
+        pattern's name."""
+        return self.choices + ((self.pattern_name,) if self.pattern else ())
 
     def parse(self, text: str):
         """The value of ``text`` (str), or :class:`KnobError` naming the knob."""
@@ -74,8 +89,8 @@ class Knob:
                 raise KnobError(f"{self.name} must be 0 or 1 (got '{text}')")
             return text == "1"
         if self.kind == "choice":
-            if text not in self.choices:
-                *rest, last = self.choices
+            if text not in self.choices and not (self.pattern and re.fullmatch(self.pattern, text)):
+                *rest, last = self.values_text
                 raise KnobError(f"{self.name} must be {', '.join(rest)} or {last} (got '{text}')")
             return text
         words = text.split()
@@ -85,7 +100,7 @@ class Knob:
 
     def describe(self) -> str:
         if self.kind == "choice":
-            values = "|".join(self.choices)
+            values = "|".join(self.values_text)
         elif self.kind == "whole":
             values = f"whole number >= {self.minimum}"
         else:
@@ -105,8 +120,17 @@ def switch(name: str, default: bool, help: str) -> Knob:
     return Knob(name, "switch", "1" if default else "0", help)
 
 
-def choice(name: str, default: str, choices: tuple[str, ...], help: str) -> Knob:
-    return Knob(name, "choice", default, help, choices=choices)
+def choice(
+    name: str,
+    default: str,
+    choices: tuple[str, ...],
+    help: str,
+    pattern: str = "",
+    pattern_name: str = "",
+) -> Knob:
+    return Knob(
+        name, "choice", default, help, choices=choices, pattern=pattern, pattern_name=pattern_name
+    )
 
 
 def words(name: str, default: str, help: str) -> Knob:

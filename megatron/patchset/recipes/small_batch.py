@@ -8,16 +8,21 @@ as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer step 
 Megatron's NaN check and its level-1/2 timers synchronise inside the step, so they are off under
 the capture (the fork's rules refuse them otherwise).
 
-``MEMORY=moments`` and ``MEMORY=80G`` trade a little speed for the memory an 80 GB H100 lacks at
-the per-rank shapes of docs/benchmarks.md. ``moments`` keeps both Adam moments in bf16 (the
-one-kernel Adam's ``--adam-moments-dtype bf16``; with ``KERNELS=0`` megatron's precision-aware
-distributed optimizer); ``80G`` adds megatron's selective recomputation of the experts' activation
-function, which replays inside the captured backward. Both set
+``MEMORY`` trades a little speed for memory. ``MEMORY=<N>G`` names the GPU's memory (``80G`` for
+an 80 GB H100, ``141G`` for an H200) and passes ``--memory-budget``: after megatron's argument
+validation the fork estimates each rank's peak for the layout, micro-batch and model and takes the
+fastest combination of levers whose estimate fits 90% of it, none where the run fits as it is, or
+refuses the launch when nothing fits (docs/features/memory_budget.md). The levers are bf16 Adam
+moments (the one-kernel Adam's ``--adam-moments-dtype bf16``; with ``KERNELS=0`` megatron's
+precision-aware distributed optimizer) and megatron's selective recomputation of the experts'
+activation function, then of the layer norms, which replays inside the captured backward.
+``MEMORY=moments`` asks for the bf16 moments alone, whatever the budget. Both set
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where the environment does not set it, since
 without it the caching allocator's reserve on an 80 GB card runs out before the allocated peak
 does.
 """
 
+from megatron.patchset.features.memory_budget import flags as memory_budget
 from megatron.patchset.recipes import recipe as r
 
 _LAYER_GRAPHS = (
@@ -63,13 +68,14 @@ def _build(k) -> r.Built:
     env = ()
     if k.memory != "max":
         env = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
-        if k.memory == "80G":
-            flags += ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"]
+    if k.memory == "moments":
         if k.graphs == "full" and k.kernels:
             flags += ["--adam-moments-dtype", "bf16"]
         elif dist_opt:
             flags += ["--use-precision-aware-optimizer"]
             flags += ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    elif k.memory != "max":
+        flags += [memory_budget.FLAG, k.memory]
     return r.Built(tuple(flags), env)
 
 
@@ -103,9 +109,12 @@ RECIPE = r.Recipe(
         r.choice(
             "MEMORY",
             "max",
-            ("max", "moments", "80G"),
+            ("max", "moments"),
             "max: no memory levers; moments: bf16 Adam moments and the allocator's expandable "
-            "segments; 80G: those and the experts' activation recomputed in the backward",
+            "segments; <N>G (80G, 141G): the GPU's memory, --memory-budget: the fastest levers "
+            "whose estimated peak fits it, and expandable segments",
+            pattern=memory_budget.PATTERN,
+            pattern_name="<N>G",
         ),
     ),
     build=_build,

@@ -94,26 +94,31 @@ def test_small_batch_follows_its_knobs():
         {"EP": "2", "DIST_OPT": "1"},
     ],
 )
-def test_small_batch_memory_80g_levers_pass_megatrons_and_the_forks_checks(knobs):
-    import torch
+@pytest.mark.parametrize("memory", ["80G", "141G", "79.5G"])
+def test_small_batch_memory_budget_passes_megatrons_and_the_forks_checks(knobs, memory):
+    """MEMORY=<N>G passes --memory-budget (the levers are chosen after megatron's validation,
+    tests/unit/features/memory_budget) and sets expandable segments; no lever flag of its own."""
+    from tests.unit.conftest import combination_failures, failures, tiny_argv, validated
 
-    from tests.unit.conftest import combination_failures, tiny_argv, validated
-
-    built = recipes.get("small_batch")(MEMORY="80G", **knobs)
+    built = recipes.get("small_batch")(MEMORY=memory, **knobs)
     flags = list(built.flags)
     assert dict(built.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert not recipes.get("small_batch")(**knobs).env
-    assert flags[flags.index("--recompute-modules") + 1] == "moe_act"
-    args = validated(tiny_argv(*flags), world_size=int(knobs.get("EP", 1)))
-    assert args.recompute_granularity == "selective" and args.recompute_modules == ["moe_act"]
-    one_kernel = knobs.get("GRAPHS", "full") == "full" and knobs.get("KERNELS") != "0"
-    moments = torch.bfloat16 if one_kernel or knobs.get("DIST_OPT") == "1" else torch.float32
-    assert (args.adam_moments_dtype == "bf16") == one_kernel
-    assert args.use_precision_aware_optimizer == (not one_kernel and moments == torch.bfloat16)
-    if args.use_precision_aware_optimizer:
-        assert args.exp_avg_dtype == args.exp_avg_sq_dtype == torch.bfloat16
-    assert not combination_failures(tiny_argv(*flags), int(knobs.get("EP", 1)))
-    assert "--recompute-granularity" not in recipes.flags("small_batch", **knobs)
+    assert flags[flags.index("--memory-budget") + 1] == memory
+    assert [f for f in flags if f != "--memory-budget" and f != memory] == recipes.flags(
+        "small_batch", **knobs
+    )
+    world = int(knobs.get("EP", 1))
+    args = validated(tiny_argv(*flags), world_size=world)
+    assert args.memory_budget == memory and args.recompute_granularity is None
+    assert not failures(tiny_argv(*flags), world)
+    assert not combination_failures(tiny_argv(*flags), world)
+
+
+@pytest.mark.parametrize("memory", ["80", "80g", "G", "max80G", "0.5.1G"])
+def test_small_batch_memory_takes_max_moments_or_a_budget(memory):
+    with pytest.raises(KnobError, match=r"MEMORY must be max, moments or <N>G \(got "):
+        recipes.get("small_batch")(MEMORY=memory)
 
 
 def test_small_batch_dist_opt_auto_shards_where_the_optimizer_graph_needs_it():
@@ -135,15 +140,20 @@ def test_small_batch_dist_opt_auto_shards_where_the_optimizer_graph_needs_it():
 
 
 @pytest.mark.parametrize("knobs", [{}, {"EP": "2"}, {"KERNELS": "0", "DIST_OPT": "1"}])
-def test_small_batch_memory_moments_keeps_the_activations(knobs):
-    """MEMORY=moments: the bf16 moments and expandable segments of 80G, no recomputation."""
+def test_small_batch_memory_moments_asks_for_bf16_moments_alone(knobs):
+    """MEMORY=moments: bf16 moments and expandable segments, no recomputation, no budget."""
+    import torch
+
+    from tests.unit.conftest import combination_failures, tiny_argv, validated
+
     moments = recipes.get("small_batch")(MEMORY="moments", **knobs)
-    full = recipes.get("small_batch")(MEMORY="80G", **knobs)
-    assert moments.env == full.env == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
-    assert "--recompute-granularity" not in moments.flags
-    dropped = ("--recompute-granularity", "selective", "--recompute-modules", "moe_act")
-    assert [f for f in full.flags if f not in dropped] == list(moments.flags)
+    assert moments.env == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+    assert not {"--recompute-granularity", "--memory-budget"} & set(moments.flags)
     assert {"--adam-moments-dtype", "--exp-avg-dtype"} & set(moments.flags)
+    world = int(knobs.get("EP", 1))
+    args = validated(tiny_argv(*moments.flags), world_size=world)
+    assert args.adam_moments_dtype == "bf16" or args.exp_avg_sq_dtype == torch.bfloat16
+    assert not combination_failures(tiny_argv(*moments.flags), world)
 
 
 def recipe_command(*words):

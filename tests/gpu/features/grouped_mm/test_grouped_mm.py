@@ -261,10 +261,10 @@ def test_full_iteration_graph_replays_the_eager_step_bitwise(runs):
 
 @pytest.mark.gpus(1)
 def test_the_experts_activation_recomputes_inside_the_full_iteration_graph(runs):
-    """--recompute-modules moe_act (the small_batch recipe's MEMORY=80G): megatron's checkpoint of
-    the experts' activation function replays inside the captured backward, and the recomputed
-    activations are the stored ones: the losses and gradient norms of the eager run, bit for
-    bit."""
+    """--recompute-modules moe_act (a lever of the small_batch recipe's MEMORY=<N>G): megatron's
+    checkpoint of the experts' activation function replays inside the captured backward, and the
+    recomputed activations are the stored ones: the losses and gradient norms of the eager run,
+    bit for bit."""
     eager, graphed = runs["det_eager"], runs["det_full_graph_recompute"]
     assert CAPTURED in graphed.log_text()
     assert len(graphed.losses) == ITERS
