@@ -253,7 +253,7 @@ CHANGE_RUNS = {
     "fsdp_graphs_local": SMALL + FSDP + ["--cuda-graph-impl", "local"],
     "fsdp_full_iteration": SMALL + FSDP + ["--cuda-graph-impl", "full_iteration"],
     "ddp_te_graphs": SMALL + ["--cuda-graph-impl", "transformer_engine"],
-    # torch_adam: its flag, and the distributed optimizer it refuses
+    # torch_adam: its flag, and with the distributed optimizer
     "adam_torch": config_words("tiny_moe.args")
     + ["--adam-fusion-impl", "torch", "--optimizer-cuda-graph"],
     "adam_triton_dist_opt": config_words("tiny_moe.args")

@@ -7,11 +7,12 @@ in ``_get_megatron_optimizer_based_on_param_groups``. The bf16 moments are upstr
 'triton' only. The kernel's file is this feature's :mod:`.triton_step`, as the overlay runs it;
 the tests are ``upstream/test_triton_adam.py`` beside this module.
 
-The change is the kernel and its plain use: eager and captured steps, megatron's bf16 optimizer
-skipping its copy when the kernel wrote the model parameters. Folding megatron's clip into the
-step (``grad_scale``) and the distributed optimizer (the step in its checkpoint when
-TransformerEngine is installed, the bf16 shard writes) are not part of it: ``__post_init__``
-refuses ``use_distributed_optimizer`` with 'torch' or 'triton'.
+The change is the kernel and its use by megatron's bf16 optimizer and its distributed optimizer:
+eager and captured steps, the copy to the bf16 model params skipped when the kernel wrote them
+(whole params, or the distributed optimizer's shards linked by ``link_model_shards``), and the
+distributed optimizer's checkpoint carrying torch's per-param step in its param groups (as its
+no-TransformerEngine path does) when TransformerEngine is installed. Folding megatron's gradient
+clip into the step (``grad_scale``) is not part of it.
 """
 
 from megatron.patchset.export.changes import UpstreamChange
@@ -21,6 +22,7 @@ HEADER = "# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.\n\n"
 CONFIG = "megatron/core/optimizer/optimizer_config.py"
 FACTORY = "megatron/core/optimizer/__init__.py"
 MIXED = "megatron/core/optimizer/optimizer.py"
+DISTRIB = "megatron/core/optimizer/distrib_optimizer.py"
 ARGUMENTS = "megatron/training/arguments.py"
 CHANGE = UpstreamChange(
     name="torch_adam",
@@ -34,7 +36,10 @@ CHANGE = UpstreamChange(
         With bf16 parameters the step is also two passes over the parameters: Adam reads the
         gradient, the parameter and both moments and writes three of them back, and
         Float16OptimizerWithFloat16Params then reads each fp32 main parameter again to write its
-        bf16 copy.""",
+        bf16 copy; the distributed optimizer copies each fp32 main shard into the param buffer
+        the same way. torch's Adam under the distributed optimizer also loses its step in the
+        checkpoint when TransformerEngine is installed: megatron saves the step from the param
+        groups, as TE's FusedAdam keeps it, and torch's Adam keeps it per param.""",
     design="""
         A new OptimizerConfig field, adam_fusion_impl (flag --adam-fusion-impl), picks the Adam
         class where _get_megatron_optimizer_based_on_param_groups builds it. 'auto' (the
@@ -58,13 +63,21 @@ CHANGE = UpstreamChange(
         kernel keeps both moments in bf16 (4 bytes per parameter less) and computes the update
         in fp32.
 
-        OptimizerConfig.__post_init__ refuses 'torch' and 'triton' with another optimizer, with
-        the precision-aware optimizer and CPU offload (their state is TE's FusedAdam's and the
-        hybrid optimizer's), and with the distributed optimizer: with TransformerEngine
-        installed its checkpoint keeps the step as FusedAdam does (one per parameter group),
-        torch's Adam keeps one per parameter. A follow-up change takes that on, with the
-        kernel writing the distributed optimizer's bf16 shards and megatron's gradient clip
-        folded into the step as torch's grad_scale.""",
+        OptimizerConfig.__post_init__ refuses 'torch' and 'triton' with another optimizer, and
+        with the precision-aware optimizer and CPU offload (their state is TE's FusedAdam's and
+        the hybrid optimizer's).
+
+        The distributed optimizer takes both. Its Adam steps this rank's fp32 main shards;
+        DistributedOptimizer.__init__ gives the Triton step the bf16 view of each shard in the
+        param buffer (link_model_shards; none with fp8 or fp4 param gather), so the kernel
+        writes them and _copy_main_params_to_model_params returns early when it did. Its
+        checkpoint keeps the step as TE's FusedAdam does when TransformerEngine is installed
+        (in the param groups), while torch's Adam keeps one per param: state_dict now reads
+        torch's per-param step into the saved param groups, load_state_dict gives it back to
+        every param's state (0 for a checkpoint without one; torch's Adam loads no state
+        without it), and _set_main_param_and_optimizer_states leaves the step alone, as the
+        sharded formats already treat it (read from param_groups): the model-space formats
+        carry no per-param step, which made it a KeyError.""",
     figures="""
         One H200, torch 2.11.0+cu130, megatron-core 0.19.2, TransformerEngine 2.20.2,
         2026-11-24, the tensor shapes of a 3.74B-parameter MoE config, each form replayed as a
@@ -75,7 +88,9 @@ CHANGE = UpstreamChange(
         with full-iteration CUDA graphs and the follow-up's clip folding: 125.4 ms with TE's
         FusedAdam, 108.6 ms with 'torch', 93.5 ms with 'triton'; bf16 moments lowered the peak
         memory at 4x4096 tokens from 81.58 to 67.66 GiB (195.9 -> 190.8 ms per step, 2026-11-27).
-        This change alone (without the clip folding) was not measured separately.""",
+        This change alone (without the clip folding) was not measured separately. The
+        distributed optimizer is checked on one GPU by a bit-identical resume of the captured
+        recipe at data-parallel size 1, not yet across several GPUs.""",
     test_plan="""
         $ TRITON_INTERPRET=1 pytest tests/unit_tests/optimizer/test_triton_adam.py
         $ pytest tests/unit_tests/optimizer/test_triton_adam.py
@@ -84,7 +99,13 @@ CHANGE = UpstreamChange(
         moments against a reference that rounds them after each fp32 update), the bf16 model
         parameter write, the state_dict round trip, the factory's classes and capturable
         learning rates, and the config checks; on a GPU, or on CPU under Triton's
-        interpreter (the factory and config tests run on CPU either way).""",
+        interpreter (the factory and config tests run on CPU either way). The distributed
+        optimizer on two data-parallel ranks (gloo on CPU, where CPU tensors stand in for
+        CUDA ones; NCCL on two GPUs), with its checkpoint code as with TransformerEngine
+        installed: 'torch' and 'triton' step as torch's AdamW over the full params (1e-6), the
+        Triton step writes every bf16 shard, and state_dict -> load_state_dict with the param
+        state loaded without its per-param step gives every param the step and the next step
+        to the bit.""",
     edits=(
         NewFile(
             "megatron/core/optimizer/triton_adam.py",
@@ -140,12 +161,6 @@ CHANGE = UpstreamChange(
                 raise ValueError(
                     f"{impl} is not supported with the precision-aware optimizer or optimizer "
                     "CPU offload (their state is TransformerEngine's FusedAdam's): use "
-                    "adam_fusion_impl='auto'."
-                )
-            if self.use_distributed_optimizer:
-                raise ValueError(
-                    f"{impl} is not supported with the distributed optimizer yet (its checkpoint "
-                    "keeps the step as TransformerEngine's FusedAdam does): use "
                     "adam_fusion_impl='auto'."
                 )
 
@@ -269,9 +284,111 @@ from .triton_adam import TritonAdam, TritonAdamW
         "without TransformerEngine, torch's AdamW without either). torch: torch's fused AdamW, "
         "capturable under --optimizer-cuda-graph. triton: the same optimizer stepped by one "
         "Triton kernel that also writes the bf16 model params; with --exp-avg-dtype bf16 "
-        "--exp-avg-sq-dtype bf16 it keeps both moments in bf16. Not supported with "
-        "--use-distributed-optimizer yet.",
+        "--exp-avg-sq-dtype bf16 it keeps both moments in bf16.",
     )
+""",
+        ),
+        Replace(
+            DISTRIB,
+            "DistributedOptimizer.__init__",
+            old="""\
+            self.optimizer.param_groups = [g["orig_group"] for g in self.opt_group_ranges]
+            self.optimizer.load_state_dict(self.optimizer.state_dict())
+""",
+            new="""\
+            self.optimizer.param_groups = [g["orig_group"] for g in self.opt_group_ranges]
+            self.optimizer.load_state_dict(self.optimizer.state_dict())
+
+        # The Triton Adam step writes the bf16 shards of the model params (views of the param
+        # buffer) itself, unless they are quantized.
+        link_model_shards = getattr(self.optimizer, 'link_model_shards', None)
+        if link_model_shards is not None:
+            if self.ddp_config.fp8_param_gather or self.ddp_config.fp4_param_gather:
+                link_model_shards([], [])
+            else:
+                link_model_shards(self.shard_float16_groups, self.shard_fp32_from_float16_groups)
+""",
+        ),
+        Replace(
+            DISTRIB,
+            "DistributedOptimizer.state_dict",
+            old="""\
+        elif USING_TE_OPTIMIZER or USING_APEX_OPTIMIZER:
+            # Extract 'step', for TE FusedAdam support.
+""",
+            new="""\
+        elif isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            # torch's Adam (adam_fusion_impl 'torch' or 'triton') keeps 'step' per param, none
+            # before the first step.
+            steps = list(
+                set([s["step"].item() for s in inner_state_dict["state"].values() if "step" in s])
+            )
+            assert len(steps) <= 1, f"steps: {steps}"
+            step = steps[0] if len(steps) == 1 else None
+        elif USING_TE_OPTIMIZER or USING_APEX_OPTIMIZER:
+            # Extract 'step', for TE FusedAdam support.
+""",
+        ),
+        Replace(
+            DISTRIB,
+            "DistributedOptimizer.load_state_dict",
+            old="""\
+                for v in self.optimizer.state.values():
+                    v["step"] = step.detach().clone()
+""",
+            new="""\
+                for v in self.optimizer.state.values():
+                    v["step"] = step.detach().clone()
+        elif isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            # torch's Adam (adam_fusion_impl 'torch' or 'triton') loads a state only with its
+            # 'step'; a checkpoint without one starts at 0.
+            steps = list(
+                set(
+                    [
+                        g["step"]
+                        for g in state_dict["optimizer"]["param_groups"]
+                        if g.get("step") is not None
+                    ]
+                )
+            )
+            assert len(steps) <= 1, f"steps: {steps}"
+            step = float(steps[0]) if len(steps) == 1 else 0.0
+            for s in state_dict_state.values():
+                s["step"] = torch.tensor(step, dtype=torch.float32)
+""",
+        ),
+        Replace(
+            DISTRIB,
+            "DistributedOptimizer._set_main_param_and_optimizer_states",
+            old="""\
+            for key in dst_tensors:
+                if not isinstance(tensors[key], torch.Tensor):
+""",
+            new="""\
+            for key in dst_tensors:
+                if key == "step":
+                    # torch Adam's "step" is loaded from param_groups (see load_state_dict).
+                    continue
+                if not isinstance(tensors[key], torch.Tensor):
+""",
+        ),
+        Replace(
+            DISTRIB,
+            "DistributedOptimizer._copy_main_params_to_model_params",
+            old="""\
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return
+
+""",
+            new="""\
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return
+
+        # The Triton Adam step may have written the model param shards already.
+        take_model_copy = getattr(self.optimizer, 'take_model_copy', None)
+        if take_model_copy is not None and take_model_copy(self):
+            return
+
 """,
         ),
         NewFile(

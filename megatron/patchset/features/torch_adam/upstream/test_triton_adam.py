@@ -1,9 +1,14 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
+import contextlib
+import os
+import socket
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from megatron.core.optimizer import OptimizerConfig, _get_megatron_optimizer_based_on_param_groups
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
@@ -193,13 +198,16 @@ class TestAdamFusionImpl:
         "kwargs, match",
         [
             (dict(optimizer="sgd"), "optimizer='adam'"),
-            (dict(use_distributed_optimizer=True), "distributed optimizer"),
             (dict(use_precision_aware_optimizer=True), "precision-aware optimizer"),
         ],
     )
     def test_unsupported_combinations_are_refused(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             OptimizerConfig(adam_fusion_impl="triton", **kwargs)
+
+    def test_distributed_optimizer_is_accepted(self):
+        config = OptimizerConfig(adam_fusion_impl="triton", use_distributed_optimizer=True)
+        assert config.use_distributed_optimizer
 
     def test_bf16_moments_only_with_triton(self):
         bf16 = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
@@ -208,3 +216,199 @@ class TestAdamFusionImpl:
             OptimizerConfig(adam_fusion_impl="torch", **bf16)
         with pytest.raises(AssertionError, match="exp_avg_sq_dtype can only be fp32"):
             OptimizerConfig(adam_fusion_impl="triton", exp_avg_sq_dtype=torch.bfloat16)
+
+
+def _cuda_names_on_cpu():
+    """megatron's optimizers tell bf16 from fp32 params by their CUDA type names and make their
+    buffers on the current CUDA device; without a GPU, CPU tensors stand in for CUDA ones."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    tensor_type = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        name = tensor_type(self, *args, **kwargs)
+        return name if args or kwargs else name.replace("torch.", "torch.cuda.", 1)
+
+    def on_cpu(factory):
+        def make(*args, device=None, **kwargs):
+            if device is not None and str(device).startswith("cuda"):
+                device = "cpu"
+            return factory(*args, device=device, **kwargs)
+
+        return make
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(torch.Tensor, "type", cuda_type))
+    stack.enter_context(mock.patch("torch.cuda.current_device", return_value="cpu"))
+    for name in ("tensor", "zeros", "empty"):
+        stack.enter_context(mock.patch(f"torch.{name}", on_cpu(getattr(torch, name))))
+    return stack
+
+
+def _spawn(worker, *args, world_size=2):
+    """Run ``worker(rank, world_size, *args)`` on ``world_size`` ranks: gloo on CPU, NCCL with a
+    GPU per rank."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(worker, args=(world_size, port, *args), nprocs=world_size, join=True)
+
+
+def _distributed_adam(impl, clip_grad=0.0):
+    """A bf16 Linear layer in DDP with the distributed optimizer (adam_fusion_impl ``impl``), and
+    the DistributedOptimizer inside the ChainedOptimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(37, 11, dtype=torch.bfloat16, device=DEVICE)
+    model = DistributedDataParallel(
+        TransformerConfig(num_attention_heads=1, num_layers=1),
+        DistributedDataParallelConfig(use_distributed_optimizer=True),
+        model,
+    )
+    config = OptimizerConfig(
+        optimizer="adam",
+        bf16=True,
+        use_distributed_optimizer=True,
+        adam_fusion_impl=impl,
+        clip_grad=clip_grad,
+        lr=HYPER["lr"],
+        weight_decay=HYPER["weight_decay"],
+        adam_beta1=HYPER["betas"][0],
+        adam_beta2=HYPER["betas"][1],
+        adam_eps=HYPER["eps"],
+    )
+    optimizer = get_megatron_optimizer(config, [model])
+    return model, optimizer, optimizer.chained_optimizers[0]
+
+
+def _set_main_grads(model, seed):
+    """The same grads on every rank, in DDP's grad buffer (as reduced); returns them by name, in
+    fp32."""
+    generator = torch.Generator().manual_seed(100 + seed)
+    grads = {}
+    for name, param in model.named_parameters():
+        param.main_grad.copy_(torch.randn(param.shape, generator=generator))
+        grads[name] = param.main_grad.float()
+    return grads
+
+
+def _shards(distributed):
+    """(bf16 model shard, fp32 main shard, model param) of every param this rank steps."""
+    return [
+        (shard, main, model_param)
+        for models, shards, mains in zip(
+            distributed.model_float16_groups,
+            distributed.shard_float16_groups,
+            distributed.shard_fp32_from_float16_groups,
+        )
+        for model_param, shard, main in zip(models, shards, mains)
+    ]
+
+
+def _distributed_optimizer_worker(rank, world_size, port, impls):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group(backend, world_size=world_size, rank=rank)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    # The distributed optimizer's checkpoint code as with TransformerEngine installed, where it
+    # keeps the step as TE's FusedAdam does.
+    te_installed = mock.patch.multiple(
+        "megatron.core.optimizer.distrib_optimizer", HAVE_APEX_OR_TE=True, USING_TE_OPTIMIZER=True
+    )
+    try:
+        with _cuda_names_on_cpu(), te_installed:
+            for impl in impls:
+                _check_distributed_optimizer(impl)
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def _check_distributed_optimizer(impl, steps=3):
+    model, optimizer, distributed = _distributed_adam(impl)
+    # torch's AdamW over the full params (without OptimizerParamScheduler, which applies the
+    # groups' wd_mult, every group keeps the config's weight_decay)
+    full = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    reference = torch.optim.AdamW(full.values(), foreach=False, **HYPER)
+    copies_taken = []
+    take_model_copy = getattr(distributed.optimizer, "take_model_copy", None)
+    if take_model_copy is not None:
+
+        def recorded(owner):
+            copies_taken.append(take_model_copy(owner))
+            return copies_taken[-1]
+
+        distributed.optimizer.take_model_copy = recorded
+    for step in range(steps):
+        for name, grad in _set_main_grads(model, step).items():
+            full[name].grad = grad
+        update_successful, _, _ = optimizer.step()
+        assert update_successful
+        reference.step()
+
+    # each rank's main shards are torch's AdamW's, its bf16 shards (in DDP's param buffer,
+    # all-gathered into the model) their rounding
+    names = {param: name for name, param in model.named_parameters()}
+    for shard, main, model_param in _shards(distributed):
+        param_range = distributed._get_model_param_range_map(model_param)["param"]
+        expected = full[names[model_param]].view(-1)[param_range.start : param_range.end]
+        torch.testing.assert_close(main, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(shard, main.bfloat16())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.float(), full[name], rtol=1e-2, atol=1e-2)
+    if impl == "triton":
+        assert distributed.optimizer.aligned is not None  # the kernel ran
+        assert copies_taken == [True] * steps  # and wrote the bf16 shards
+
+    # The step goes into the checkpoint's param groups and back into every param's state; the
+    # param state is loaded without the per-param step, as the model-space formats keep it.
+    state_dict = distributed.state_dict()
+    assert [g["step"] for g in state_dict["optimizer"]["param_groups"]] == [steps, steps]
+    param_state = distributed.get_parameter_state_dp_reshardable()
+    for key, buffer_state in param_state.items():
+        if key in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+            continue
+        for buckets in buffer_state.values():
+            for bucket in buckets:
+                for tensors in bucket:
+                    tensors.pop("step")
+                    tensors["padding"] = False
+    loaded_model, loaded_optimizer, loaded = _distributed_adam(impl)
+    loaded.load_state_dict(state_dict)
+    loaded.load_parameter_state_from_dp_reshardable(param_state)
+    loaded_model.load_state_dict(model.state_dict())
+    for group in loaded.optimizer.param_groups:
+        for param in group["params"]:
+            step = loaded.optimizer.state[param]["step"]
+            assert step.dtype == torch.float32 and step.device == param.device
+            assert step.item() == steps
+    assert loaded.state_dict() == state_dict
+
+    # and the next step is the same, to the bit
+    for each_model, each_optimizer in ((model, optimizer), (loaded_model, loaded_optimizer)):
+        _set_main_grads(each_model, steps)
+        assert each_optimizer.step()[0]
+    for (shard, main, _), (loaded_shard, loaded_main, _) in zip(
+        _shards(distributed), _shards(loaded), strict=True
+    ):
+        assert torch.equal(loaded_main, main) and torch.equal(loaded_shard, shard)
+        state, loaded_state = distributed.optimizer.state[main], loaded.optimizer.state[loaded_main]
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded_state[key], state[key]), key
+
+
+def test_distributed_optimizer_steps_as_adamw_and_keeps_its_step():
+    """Two data-parallel ranks: the distributed optimizer with 'torch' and 'triton' steps as
+    torch's AdamW over the full params, the Triton step writes the bf16 shards, and the step
+    goes through state_dict and load_state_dict."""
+    impls = ["torch"] + (["triton"] if available(DEVICE) else [])
+    _spawn(_distributed_optimizer_worker, impls)
