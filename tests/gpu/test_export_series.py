@@ -38,8 +38,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1), snapshots.needs_snapshots]
 BRANCH = "core_r0.19.0"
 ITERS = 10
 NUMERICS = (*DETERMINISTIC, "--no-check-for-nan-in-loss-and-grad")
-# change name: (the overlay's flags, the flags of the edited upstream tree, environment), the
-# flags added to the tiny config and NUMERICS
+# change name[:variant]: (the overlay's flags, the flags of the edited upstream tree, environment),
+# the flags added to the tiny config and NUMERICS
 CHANGE_RUNS = {
     "triton_cross_entropy": (
         ("--cross-entropy-loss-fusion", "--cross-entropy-triton"),
@@ -47,6 +47,11 @@ CHANGE_RUNS = {
         {},
     ),  # megatron refuses --deterministic-mode with a fused cross entropy: NOT_BITWISE
     "torch_adam": (("--adam-impl", "triton"), ("--adam-fusion-impl", "triton"), {}),
+    "torch_adam:distributed_optimizer": (
+        ("--adam-impl", "triton", "--use-distributed-optimizer"),
+        ("--adam-fusion-impl", "triton", "--use-distributed-optimizer"),
+        {},
+    ),
     # TE per-layer graphs with Megatron-FSDP, as the feature's own GPU tests run them
     "fsdp_cuda_graphs": ((*FSDP, *TE_LAYER_GRAPHS), (*FSDP, *TE_LAYER_GRAPHS), FSDP_ENV),
     "grouped_mm": (GROUPED_MM_GRAPHED, GROUPED_MM_GRAPHED, {}),
@@ -56,6 +61,7 @@ CHANGE_RUNS = {
 NOT_BITWISE = {
     "torch_adam": "the overlay folds megatron's gradient clip into the kernel's step; the change "
     "leaves the clip to megatron",
+    "torch_adam:distributed_optimizer": "as torch_adam",
     "triton_cross_entropy": "megatron refuses --deterministic-mode with "
     "--cross-entropy-loss-fusion, so both runs are nondeterministic",
 }
@@ -114,7 +120,7 @@ def runs(tmp_path_factory):
     in_series = {change.name for change in changes.series()}
     for name, (overlay, upstream, env) in CHANGE_RUNS.items():
         argv = loose if name == "triton_cross_entropy" else base
-        if name in in_series:
+        if name.partition(":")[0] in in_series:
             jobs += [
                 dict(
                     tmp_path=tmp,
