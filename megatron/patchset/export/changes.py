@@ -76,6 +76,7 @@ SERIES = (
     "megatron.patchset.core.compat:HELP_PERCENT_CHANGE",
     "megatron.patchset.features.triton_cross_entropy.upstream:CHANGE",
     "megatron.patchset.features.torch_adam.upstream:CHANGE",
+    "megatron.patchset.features.torch_adam.upstream:CLIP_CHANGE",
     "megatron.patchset.core.compat:CHECKPOINT_EXIT_CHANGE",
     "megatron.patchset.features.fsdp_cuda_graphs.upstream:CHANGE",
     "megatron.patchset.features.grouped_mm.upstream:CHANGE",
