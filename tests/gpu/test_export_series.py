@@ -54,8 +54,9 @@ CHANGE_RUNS = {
 # Changes whose upstream form is not the overlay's code path bit for bit, and why: compared within
 # the tolerance of the feature's own GPU tests instead.
 NOT_BITWISE = {
-    "torch_adam": "the overlay folds megatron's gradient clip into the kernel's step; the change "
-    "leaves the clip to megatron",
+    "torch_adam": "before torch_adam_clip the series left megatron's gradient clip to megatron "
+    "while the overlay folds it into the kernel's step; with it both fold the clip alike, not yet "
+    "compared bit for bit on a GPU",
     "triton_cross_entropy": "megatron refuses --deterministic-mode with "
     "--cross-entropy-loss-fusion, so both runs are nondeterministic",
 }
