@@ -52,6 +52,13 @@ CHANGE_RUNS = {
         ("--adam-fusion-impl", "triton", "--use-distributed-optimizer"),
         {},
     ),
+    # the step captured with the full iteration (the learning rate a device tensor, the clip's
+    # scale computed on the device)
+    "torch_adam:captured": (
+        (*GROUPED_MM_GRAPHED, "--optimizer-cuda-graph", "--adam-impl", "triton"),
+        (*GROUPED_MM_GRAPHED, "--optimizer-cuda-graph", "--adam-fusion-impl", "triton"),
+        {},
+    ),
     # TE per-layer graphs with Megatron-FSDP, as the feature's own GPU tests run them
     "fsdp_cuda_graphs": ((*FSDP, *TE_LAYER_GRAPHS), (*FSDP, *TE_LAYER_GRAPHS), FSDP_ENV),
     "grouped_mm": (GROUPED_MM_GRAPHED, GROUPED_MM_GRAPHED, {}),
@@ -59,9 +66,6 @@ CHANGE_RUNS = {
 # Changes whose upstream form is not the overlay's code path bit for bit, and why: compared within
 # the tolerance of the feature's own GPU tests instead.
 NOT_BITWISE = {
-    "torch_adam": "the overlay folds megatron's gradient clip into the kernel's step; the change "
-    "leaves the clip to megatron",
-    "torch_adam:distributed_optimizer": "as torch_adam",
     "triton_cross_entropy": "megatron refuses --deterministic-mode with "
     "--cross-entropy-loss-fusion, so both runs are nondeterministic",
 }

@@ -29,6 +29,8 @@ class UpstreamChange:
         figures: measured results (device, versions, command), or what was not measured.
         test_plan: the commands a reviewer runs.
         edits: edits of upstream's code, then of upstream's tests.
+        needs: the names of earlier changes of the series whose code this one's edits build on;
+            the series refuses it unless each is applied before it or already in the checkout.
     """
 
     name: str
@@ -38,6 +40,7 @@ class UpstreamChange:
     figures: str
     test_plan: str
     edits: tuple
+    needs: tuple[str, ...] = ()
 
     def message(self) -> str:
         """The commit message: subject, blank line, then the sections wrapped at 72 columns."""
@@ -73,6 +76,7 @@ SERIES = (
     "megatron.patchset.core.compat:HELP_PERCENT_CHANGE",
     "megatron.patchset.features.triton_cross_entropy.upstream:CHANGE",
     "megatron.patchset.features.torch_adam.upstream:CHANGE",
+    "megatron.patchset.features.torch_adam.upstream:CLIP_CHANGE",
     "megatron.patchset.core.compat:CHECKPOINT_EXIT_CHANGE",
     "megatron.patchset.features.fsdp_cuda_graphs.upstream:CHANGE",
     "megatron.patchset.features.grouped_mm.upstream:CHANGE",

@@ -7,6 +7,8 @@ therefore carry full ``index`` lines (``git am -3`` falls back to a three-way me
 real author and date, and the change's commit message. A change whose edits the checkout already
 holds is reported and skipped, so exporting onto a branch that has the first changes produces
 the next ones; an edit that no longer fits refuses its change by name, and the changes after it.
+A change that builds on an earlier one (:attr:`~.changes.UpstreamChange.needs`) is refused by the
+name of that one unless it is applied before it in the same run or the checkout holds it.
 """
 
 from __future__ import annotations
@@ -84,6 +86,15 @@ def _read(folder: str, path: str) -> str | None:
         return handle.read()
 
 
+def _holds(folder: str, name: str) -> bool:
+    """Whether ``folder`` holds every edit of the series' change ``name``."""
+    change = next((c for c in changes_mod.series() if c.name == name), None)
+    if change is None:
+        raise PatchsetError(f"a change needs {name}, which the series does not hold")
+    sources = {path: _read(folder, path) for path in change.paths()}
+    return all(edits.status(sources[edit.path], edit) == edits.APPLIED for edit in change.edits)
+
+
 def _apply(folder: str, change: changes_mod.UpstreamChange) -> str | None:
     """Apply ``change`` in ``folder``: None, or why it was not applied (``applied``: all its
     edits are already there; otherwise the edit that does not fit)."""
@@ -139,9 +150,17 @@ def write_series(
             raise PatchsetError(f"git clone of {checkout}: {run.stderr.strip()}")
         base = _git(checkout, "rev-parse", "HEAD").strip()
         _git(work, "checkout", "-q", "--detach", base)
+        present: set[str] = set()  # changes applied in this run or found in the checkout
         for change in selected:
             if result.refused:
                 result.refused[change.name] = "an earlier change of the series was refused"
+                continue
+            missing = [n for n in change.needs if n not in present and not _holds(work, n)]
+            if missing:
+                result.refused[change.name] = (
+                    f"needs {', '.join(missing)} first (export it with this change, or apply its "
+                    "patch to the checkout)"
+                )
                 continue
             try:
                 why = _apply(work, change)
@@ -149,12 +168,14 @@ def write_series(
                 why = str(exc)
             if why == edits.APPLIED:
                 result.skipped[change.name] = "already in the checkout"
+                present.add(change.name)
                 continue
             if why:
                 result.refused[change.name] = why
                 continue
             _git(work, "add", "--", *change.paths())
             _git(work, "commit", "-q", "--no-verify", "-m", change.message(), env=env)
+            present.add(change.name)
         os.makedirs(out, exist_ok=True)
         if _git(work, "rev-parse", "HEAD").strip() != base:
             listing = _git(work, *_FORMAT_PATCH, "-o", os.path.abspath(out), f"{base}..HEAD")

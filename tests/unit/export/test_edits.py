@@ -108,6 +108,54 @@ def test_the_compat_patch_is_the_upstream_changes_edit_recompiled():
             registry.apply_patches([registry.get(name)])
 
 
+def _change(name, edit, needs=()):
+    return changes.UpstreamChange(name, f"box: {name}", "m", "d", "f", "t", (edit,), needs)
+
+
+def test_a_change_that_builds_on_another_is_refused_without_it(tmp_path, monkeypatch):
+    """``needs``: refused by the needed change's name unless it comes first in the same run or
+    the checkout holds it."""
+    import subprocess
+
+    from megatron.patchset.export import series
+
+    path = "megatron/box.py"
+    base = _change("base", dataclasses.replace(REPLACE, path=path))
+    follow_up = _change(
+        "follow_up",
+        edits.Replace(path, "Box.size", "return 2 * len(", "return 3 * len("),
+        needs=("base",),
+    )
+    monkeypatch.setattr(changes, "series", lambda: [base, follow_up])
+    repo = tmp_path / "repo"
+    (repo / "megatron").mkdir(parents=True)
+    (repo / path).write_text(SOURCE)
+    git = ["git", "-C", str(repo), "-c", "user.name=A", "-c", "user.email=a@example.com"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "upstream"], check=True)
+
+    def write(selected, out):
+        return series.write_series(str(repo), str(tmp_path / out), selected, author="A <a@x.org>")
+
+    alone = write([follow_up], "alone")
+    assert alone.patches == [] and alone.refused == {
+        "follow_up": "needs base first (export it with this change, or apply its patch to the "
+        "checkout)"
+    }
+    assert len(write([base, follow_up], "both").patches) == 2
+    (repo / path).write_text(edits.apply_to_source(SOURCE, base.edits[0]))
+    subprocess.run([*git, "commit", "-q", "-am", "base"], check=True)
+    onto_base = write([follow_up], "onto-base")
+    assert len(onto_base.patches) == 1 and not onto_base.refused
+
+
+def test_a_change_needs_only_earlier_changes_of_the_series():
+    names = [change.name for change in changes.series()]
+    for index, change in enumerate(changes.series()):
+        assert set(change.needs) <= set(names[:index]), change.name
+
+
 def test_the_commit_message_has_every_section_wrapped_at_72_columns():
     message = compat.HELP_PERCENT_CHANGE.message()
     subject, blank, *body = message.splitlines()
