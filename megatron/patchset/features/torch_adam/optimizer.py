@@ -88,6 +88,10 @@ def build_adam(
             if group["params"] and not isinstance(group["lr"], torch.Tensor):
                 device = group["params"][0].device
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        if impl != "triton":  # the Triton step's own load_state_dict does it
+            from megatron.patchset.features.torch_adam.triton_step import lr_on_param_device
+
+            optimizer.register_load_state_dict_post_hook(lr_on_param_device)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         count = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
         print(

@@ -156,6 +156,21 @@ def available(device) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def lr_on_param_device(optimizer) -> None:
+    """A ``load_state_dict`` post-hook: every param group's learning rate that is a tensor (a
+    capturable step reads it on the device) becomes a 0-d fp32 tensor on the group's param
+    device again. A checkpoint's param groups may bring it on another device (a rank loading the
+    state that rank 0 saved from its own GPU) or on the CPU, and a captured step cannot copy it
+    there."""
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        if not group["params"] or not isinstance(lr, torch.Tensor):
+            continue
+        device = group["params"][0].device
+        if lr.device != device or lr.dtype != torch.float32 or lr.dim() != 0:
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+
+
 class _Plan:
     """The kernel's tables for one set of tensors (rebuilt when any address changes)."""
 
@@ -388,12 +403,14 @@ class TritonStep:
         return loss
 
     def load_state_dict(self, state_dict) -> None:
-        """torch's load, with the moments kept in ``moments_dtype``. torch casts every floating
-        state tensor but the step to its parameter's dtype (fp32) as it loads it; the moments
-        are cast back (fp32 moments of a checkpoint rounded to nearest even, bf16 ones
+        """torch's load, with each tensor learning rate on its params' device
+        (:func:`lr_on_param_device`) and the moments kept in ``moments_dtype``. torch casts
+        every floating state tensor but the step to its parameter's dtype (fp32) as it loads it;
+        the moments are cast back (fp32 moments of a checkpoint rounded to nearest even, bf16 ones
         unchanged). megatron's distributed optimizer loads the state in place of tensors it
         gets from this load, so its checkpoint's moments also arrive in ``moments_dtype``."""
         super().load_state_dict(state_dict)
+        lr_on_param_device(self)
         if self.moments_dtype == torch.float32:
             return
         for state in self.state.values():

@@ -66,7 +66,10 @@ CHANGE = UpstreamChange(
 
         Both are capturable under optimizer_cuda_graph: the learning rate of each parameter
         group becomes a 0-d device tensor, which OptimizerParamScheduler already fills in
-        place, so a replayed step follows the schedule. With 'triton', exp_avg_dtype and
+        place, so a replayed step follows the schedule; a learning rate loaded from a
+        checkpoint goes back to the params' device as such a tensor (lr_on_param_device: a rank
+        may otherwise load the tensor rank 0 saved from its own GPU, which a captured step
+        cannot read). With 'triton', exp_avg_dtype and
         exp_avg_sq_dtype may both be torch.bfloat16 without the precision-aware optimizer: the
         kernel keeps both moments in bf16 (4 bytes per parameter less) and computes the update
         in fp32.
@@ -215,7 +218,7 @@ CHANGE = UpstreamChange(
             new="""\
     SGDOptimizerConfig,
 )
-from .triton_adam import TritonAdam, TritonAdamW
+from .triton_adam import TritonAdam, TritonAdamW, lr_on_param_device
 """,
         ),
         Replace(
@@ -248,7 +251,10 @@ from .triton_adam import TritonAdam, TritonAdamW
             optimizer = adam_cls(**kwargs)
             if config.optimizer_cuda_graph and config.adam_fusion_impl != 'auto':
                 # A captured step reads the learning rate from a device tensor, which
-                # OptimizerParamScheduler fills in place.
+                # OptimizerParamScheduler fills in place; one loaded from a checkpoint goes back
+                # to the params' device (TritonAdam's load_state_dict does it itself).
+                if config.adam_fusion_impl == 'torch':
+                    optimizer.register_load_state_dict_post_hook(lr_on_param_device)
                 for group in optimizer.param_groups:
                     if group['params'] and not isinstance(group['lr'], torch.Tensor):
                         device = group['params'][0].device

@@ -95,3 +95,17 @@ def test_the_patch_replaces_megatron_cores_adam_only_when_asked():
         registry.revert(applied)
     assert mcore_optimizer.Adam is original
     assert not hasattr(build_adam, "__wrapped__")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_loaded_learning_rate_becomes_a_0d_fp32_tensor_on_the_params_device(impl):
+    """A checkpoint's param groups may hold the learning rate as another tensor (on the GPU rank 0
+    saved it from, in another dtype); a captured step needs it 0-d, fp32, on its params' device."""
+    opt = build_adam([{"params": params()}], capturable=True, impl=impl, **KW)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = torch.tensor([5e-4], dtype=torch.float64)
+    opt.load_state_dict(saved)
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float32 and lr.dim() == 0
+    assert lr.device == opt.param_groups[0]["params"][0].device
+    assert lr.item() == pytest.approx(5e-4)

@@ -190,6 +190,17 @@ class TestAdamFusionImpl:
         for group in self._build(adam_fusion_impl=impl).param_groups:
             assert not isinstance(group["lr"], torch.Tensor)
 
+    @pytest.mark.parametrize("impl", ["torch", "triton"])
+    def test_a_loaded_learning_rate_goes_back_to_the_params_device(self, impl):
+        optimizer = self._build(adam_fusion_impl=impl, optimizer_cuda_graph=True)
+        state_dict = optimizer.state_dict()
+        # as a checkpoint may bring it: another dtype and shape (or the device it was saved from)
+        state_dict["param_groups"][0]["lr"] = torch.tensor([5e-4], dtype=torch.float64)
+        optimizer.load_state_dict(state_dict)
+        lr = optimizer.param_groups[0]["lr"]
+        assert lr.dtype == torch.float32 and lr.dim() == 0 and lr.item() == pytest.approx(5e-4)
+        assert lr.device == optimizer.param_groups[0]["params"][0].device
+
     def test_unknown_impl_is_refused(self):
         with pytest.raises(ValueError, match="adam_fusion_impl must be"):
             OptimizerConfig(adam_fusion_impl="apex")
