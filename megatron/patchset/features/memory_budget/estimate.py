@@ -1,6 +1,6 @@
 """A rank's peak GPU memory for a run of the small-batch recipe, from megatron's validated
 arguments: the static memory exactly from the parameter counts, the activations per token and
-layer from the shapes the layer keeps for its backward, and three coefficients calibrated against
+layer from the shapes the layer keeps for its backward, and five coefficients calibrated against
 the peaks measured in docs/benchmarks/ (docs/features/memory_budget.md lists them with the
 estimate's error).
 
