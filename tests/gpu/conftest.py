@@ -322,6 +322,22 @@ def first_difference(a, b):
     return None
 
 
+def assert_resumed_exactly(full, first, again, exit_at):
+    """A run stopped after iteration ``exit_at`` (``first``) and resumed from its checkpoint
+    (``again``) logs every iteration of the uninterrupted run ``full`` once, with bit-identical
+    losses, and gradient norms after the resume."""
+    iters = len(full.iterations)
+    assert [r["iteration"] for r in full.iterations] == list(range(1, iters + 1))
+    assert [r["iteration"] for r in first.iterations] == list(range(1, exit_at + 1))
+    assert [r["iteration"] for r in again.iterations] == list(range(exit_at + 1, iters + 1))
+    assert first_difference(first.losses, full.losses[:exit_at]) is None
+    assert first_difference(again.losses, full.losses[exit_at:]) is None, (
+        again.losses,
+        full.losses,
+    )
+    assert first_difference(again.grad_norms, full.grad_norms[exit_at:]) is None
+
+
 def assert_trains_alike(ours, reference, label, *, iters, loss_atol=2e-2, grad_norm_rtol=5e-2):
     """``ours`` trained ``iters`` finite iterations within ``loss_atol`` of ``reference``'s losses
     and ``grad_norm_rtol`` of its gradient norms, and learned (its loss fell by more than 2)."""

@@ -25,6 +25,7 @@ from megatron.core.utils import (
 from tests.unit_tests.optimizer.test_triton_adam import (
     DEVICE,
     HYPER,
+    _adam,
     _cuda_names_on_cpu,
     _set_main_grads,
 )
@@ -69,30 +70,6 @@ def _norm_on_device():
     return stack
 
 
-def _adam(impl, use_distributed_optimizer=False):
-    """A bf16 Linear layer in DDP and megatron's optimizer over it (adam_fusion_impl ``impl``)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(37, 11, dtype=torch.bfloat16, device=DEVICE)
-    model = DistributedDataParallel(
-        TransformerConfig(num_attention_heads=1, num_layers=1),
-        DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer),
-        model,
-    )
-    config = OptimizerConfig(
-        optimizer="adam",
-        bf16=True,
-        use_distributed_optimizer=use_distributed_optimizer,
-        adam_fusion_impl=impl,
-        clip_grad=CLIP_GRAD,
-        lr=HYPER["lr"],
-        weight_decay=HYPER["weight_decay"],
-        adam_beta1=HYPER["betas"][0],
-        adam_beta2=HYPER["betas"][1],
-        adam_eps=HYPER["eps"],
-    )
-    return model, get_megatron_optimizer(config, [model])
-
-
 def _scales_seen(optimizer):
     """The grad_scale each step of the inner torch optimizer reads, as a list."""
     seen = []
@@ -110,8 +87,8 @@ def test_the_step_clips_as_clip_grad_by_total_norm(
 ):
     """The clip in the step against clip_grad_by_total_norm_fp32 followed by the same step."""
     with _cuda_names_on_cpu(), _norm_on_device():
-        model, chained = _adam(impl, use_distributed_optimizer)
-        ref_model, ref_chained = _adam(impl, use_distributed_optimizer)
+        model, chained = _adam(impl, use_distributed_optimizer, CLIP_GRAD)
+        ref_model, ref_chained = _adam(impl, use_distributed_optimizer, CLIP_GRAD)
         # ChainedOptimizer.step clips each of its optimizers; their own step clips its params
         optimizer, reference = chained, ref_chained
         if through == "MegatronOptimizer":
@@ -141,7 +118,7 @@ def test_the_step_clips_as_clip_grad_by_total_norm(
 def test_the_clip_stays_clip_grad_by_total_norm_elsewhere(one_rank):
     """'auto', decoupled grads, part of the params: no scale; the clip is megatron's pass."""
     with _cuda_names_on_cpu():
-        _, chained = _adam("torch")
+        _, chained = _adam("torch", clip_grad=CLIP_GRAD)
         inner = chained.chained_optimizers[0]
         params = inner.get_parameters()
         assert not inner._clip_grads_in_optimizer_step(params[:1], CLIP_GRAD, 4.0, False)
@@ -153,7 +130,7 @@ def test_the_clip_stays_clip_grad_by_total_norm_elsewhere(one_rank):
         assert scale.shape == () and scale.dtype == torch.float32
         assert scale.device == params[0].device and scale.item() == pytest.approx(4.0)
         inner.optimizer.grad_scale = None
-        _, auto = _adam("auto")
+        _, auto = _adam("auto", clip_grad=CLIP_GRAD)
         auto_inner = auto.chained_optimizers[0]
         assert not auto_inner._clip_grads_in_optimizer_step(
             auto_inner.get_parameters(), CLIP_GRAD, 4.0, False

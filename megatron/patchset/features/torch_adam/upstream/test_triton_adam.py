@@ -267,9 +267,8 @@ def _spawn(worker, *args, world_size=2):
     mp.spawn(worker, args=(world_size, port, *args), nprocs=world_size, join=True)
 
 
-def _distributed_adam(impl, clip_grad=0.0):
-    """A bf16 Linear layer in DDP with the distributed optimizer (adam_fusion_impl ``impl``), and
-    the DistributedOptimizer inside the ChainedOptimizer."""
+def _adam(impl, use_distributed_optimizer=False, clip_grad=0.0):
+    """A bf16 Linear layer in DDP and megatron's optimizer over it (adam_fusion_impl ``impl``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
@@ -278,13 +277,13 @@ def _distributed_adam(impl, clip_grad=0.0):
     model = torch.nn.Linear(37, 11, dtype=torch.bfloat16, device=DEVICE)
     model = DistributedDataParallel(
         TransformerConfig(num_attention_heads=1, num_layers=1),
-        DistributedDataParallelConfig(use_distributed_optimizer=True),
+        DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer),
         model,
     )
     config = OptimizerConfig(
         optimizer="adam",
         bf16=True,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=use_distributed_optimizer,
         adam_fusion_impl=impl,
         clip_grad=clip_grad,
         lr=HYPER["lr"],
@@ -293,7 +292,13 @@ def _distributed_adam(impl, clip_grad=0.0):
         adam_beta2=HYPER["betas"][1],
         adam_eps=HYPER["eps"],
     )
-    optimizer = get_megatron_optimizer(config, [model])
+    return model, get_megatron_optimizer(config, [model])
+
+
+def _distributed_adam(impl):
+    """``_adam`` with the distributed optimizer, and the DistributedOptimizer inside the
+    ChainedOptimizer."""
+    model, optimizer = _adam(impl, use_distributed_optimizer=True)
     return model, optimizer, optimizer.chained_optimizers[0]
 
 
