@@ -55,6 +55,10 @@ fi
 
 # Inductor's cache (the compile tests) stays inside the venv instead of growing in /tmp.
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.venv/inductor-cache}"
+# One intra-op thread per process: the pytest workers and the training processes the tests start
+# already fill the cores, and OpenMP's threads waiting on each other's cores slow every process
+# down.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ $# -eq 0 ]; then
   .venv/bin/ruff check .
   .venv/bin/ruff format --check .
