@@ -47,37 +47,11 @@ def tiny_argv(*extra):
     return argsfile.read(TINY) + list(extra)
 
 
-def _in_group(item, group):
-    """Give ``item`` the node id ``<id>@<group>`` that pytest-xdist's ``--dist loadgroup`` reads
-    its group from. pytest-xdist sets ``item._nodeid`` to it, which pytest up to 9.1 returns as
-    the node id; pytest 9.2 builds the node id from ``item._id`` instead, and each test of a group
-    would run wherever a worker is free (each worker building the group's module and package
-    fixtures again)."""
-    nodeid = f"{item.nodeid}@{group}"
-    try:
-        from _pytest.nodeid import NodeId
-    except ImportError:
-        item._nodeid = nodeid
-    else:
-        item._id = NodeId.parse(nodeid)
-
-
 def pytest_collection_modifyitems(config, items):
     """The tests marked ``slow`` first, then the others, each in collection order. pytest-xdist
     (``--dist loadgroup``) hands out the ``xdist_group`` units first, then the other tests in this
-    order: the long tests start early, and the short ones fill both workers at the end. Under
-    ``--dist loadgroup`` every test of an ``xdist_group`` carries its group in its node id, as
-    pytest-xdist means it to (:func:`_in_group`)."""
+    order: the long tests start early, and the short ones fill both workers at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    if not getattr(config.option, "loadgroup", False):
-        return
-    for item in items:
-        names = set()
-        for mark in item.iter_markers("xdist_group"):
-            names.add(str(mark.args[0] if mark.args else mark.kwargs.get("name", "default")))
-        group = "_".join(sorted(names))
-        if names and not item.nodeid.endswith(f"@{group}"):
-            _in_group(item, group)
 
 
 @pytest.fixture(autouse=True)
