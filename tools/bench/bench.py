@@ -35,7 +35,9 @@ prints a second table pooling each variant's repeats, for configs whose step tim
 run (a single order would hand the drift to the later variants).
 Leading ``NAME=VALUE`` tokens of a variant are environment variables of that variant only
 (``--variant "no-norm=MEGATRON_PATCHSET_SKIP_PATCHES=torch_compile.te_norm_traceable
---compile-transformer-layers"``).
+--compile-transformer-layers"``). A ``PYTHONPATH`` token does not swap the fork itself: the
+launched ``pretrain_gpt.py``'s folder, this checkout, comes first on ``sys.path``; to compare two
+versions of the fork, run each checkout's ``bench.py`` on the same machine.
 ``--sweep FLAG=V1,V2`` repeats every variant for each value (e.g. ``--sweep
 micro-batch-size=1,2,4``); ``--set FLAG=VALUE`` overrides the config for all variants.
 ``--profile-iteration N`` runs iteration N of every variant under ``torch.profiler`` (every
