@@ -75,7 +75,7 @@ def have_te() -> bool:
 PARTS = {
     4: (
         ("test_train_tiny.py", "features/paged_stash"),
-        ("features/torch_adam", "test_resume.py", "features/offload"),
+        ("features/torch_adam", "test_resume.py", "features/offload", "features/dp_grad_scaling"),
         (
             "features/grouped_mm",
             "features/fsdp_cuda_graphs",
@@ -195,7 +195,17 @@ class _Job:
     """One torchrun launch in progress."""
 
     def __init__(
-        self, tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900, check=True
+        self,
+        tmp_path,
+        name,
+        nproc,
+        argv,
+        *,
+        env=None,
+        entry=None,
+        timeout=900,
+        check=True,
+        emulate=None,
     ):
         self.name, self.nproc, self.argv, self.env = name, nproc, argv, env or {}
         self.timeout, self.check = timeout, check
@@ -210,15 +220,26 @@ class _Job:
         if entry[0] == UPSTREAM_ENTRY:  # the script's folder first, for its sibling modules
             paths.insert(0, os.path.dirname(os.path.abspath(entry[1])))
         environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *entry,
-            *argv,
-        ]
+        if emulate is not None:  # one process as rank 0 of an `emulate`-GPU job
+            environ.update(
+                WORLD_SIZE=str(emulate),
+                RANK="0",
+                LOCAL_RANK="0",
+                LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(29500 + zlib.crc32(name.encode()) % 1000),
+            )
+            cmd = [sys.executable, *entry, *argv, "--fake-process-group"]
+        else:
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                *entry,
+                *argv,
+            ]
         self.started = time.time()
         self.handle = open(self.log, "w")
         self.handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
@@ -266,12 +287,24 @@ class _Job:
         return run
 
 
-def launch(tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900, check=True):
+def launch(
+    tmp_path, name, nproc, argv, *, env=None, entry=None, timeout=900, check=True, emulate=None
+):
     """torchrun ``entry`` (default pretrain_gpt.py) on ``nproc`` GPUs; returns a :class:`Run`.
     With ``check=False`` a failed run is returned too (``run.returncode``, ``run.log``) instead
-    of failing the test."""
+    of failing the test. ``emulate=N``: one process, without torchrun, as rank 0 of an N-GPU job
+    under megatron's ``--fake-process-group`` (every collective skipped; the fork's stand-ins for
+    the expert-parallel exchanges)."""
     return _Job(
-        tmp_path, name, nproc, argv, env=env, entry=entry, timeout=timeout, check=check
+        tmp_path,
+        name,
+        nproc,
+        argv,
+        env=env,
+        entry=entry,
+        timeout=timeout,
+        check=check,
+        emulate=emulate,
     ).finish()
 
 
@@ -279,8 +312,8 @@ def launch_many(jobs, *, timeout=900):
     """Start several launches at once and wait for all; returns ``{name: Run}``.
 
     ``jobs`` are dicts of :func:`launch`'s arguments (``tmp_path``, ``name``, ``nproc``, ``argv``,
-    optional ``env``, ``entry``, ``check``). The runs share the GPUs (each process is its own
-    CUDA context, time-sliced by the driver): use it for numerics, never for timings."""
+    optional ``env``, ``entry``, ``check``, ``emulate``). The runs share the GPUs (each process is
+    its own CUDA context, time-sliced by the driver): use it for numerics, never for timings."""
     started = [_Job(timeout=timeout, **job) for job in jobs]
     runs, failures = {}, []
     for job in started:  # wait for every job before reporting a failure

@@ -13,6 +13,7 @@ ORDER = (
     "grouped_mm",
     "static_dispatch",
     "torch_adam",
+    "dp_grad_scaling",
     "triton_cross_entropy",
     "offload",
     "memory_budget",

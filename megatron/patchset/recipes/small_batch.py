@@ -5,7 +5,8 @@ counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slot
 (``--moe-static-dispatch``). With ``GRAPHS=full`` megatron replays the whole forward and backward
 as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer step as a second
 (``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the Triton cross entropy.
-Megatron's NaN check and its level-1/2 timers synchronise inside the step, so they are off under
+DDP's ``1 / data-parallel size`` is applied to the loss gradient instead of the whole gradient
+buffer (``--ddp-scale-grads-in-loss``). Megatron's NaN check and its level-1/2 timers synchronise inside the step, so they are off under
 the capture (the fork's rules refuse them otherwise).
 
 ``MEMORY`` trades a little speed for memory. ``MEMORY=<N>G`` names the GPU's memory (``80G`` for
@@ -51,6 +52,8 @@ def _build(k) -> r.Built:
     dist_opt = _dist_opt(k)
     if dist_opt:
         flags += ["--use-distributed-optimizer"]
+    # DDP's 1/DP in the loss gradient: no pass over the fp32 gradient buffer (a no-op at DP 1)
+    flags += ["--ddp-scale-grads-in-loss"]
     if k.graphs == "full":
         # the counts stay on the device; megatron's unfused permutation would read them on the host
         flags += ["--moe-permute-fusion", "--moe-expert-splits-on-device"]

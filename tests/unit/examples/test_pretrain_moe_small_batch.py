@@ -16,6 +16,8 @@ PATCHES = (
     "grouped_mm.fc1",
     "grouped_mm.splits_on_device_dispatcher",
     "grouped_mm.splits_on_device_grouped_mlp",
+    "dp_grad_scaling.unscaled_buffers",
+    "dp_grad_scaling.scaled_loss_gradient",
 )
 
 
@@ -28,7 +30,8 @@ def test_full_graph_recipe_passes_the_dry_run(script, world):
     assert "expert model parallel (EP) ........ 1" in out
     assert (
         "fork features enabled: grouped_mm "
-        "(--moe-grouped-gemm-impl torch, --moe-expert-splits-on-device)" in out
+        "(--moe-grouped-gemm-impl torch, --moe-expert-splits-on-device); torch_adam "
+        "(--adam-impl triton); dp_grad_scaling (--ddp-scale-grads-in-loss)" in out
     )
     assert all(name in out for name in PATCHES)
     assert out.rstrip().endswith("dry-run: OK")
@@ -38,7 +41,10 @@ def test_full_graph_recipe_passes_the_dry_run(script, world):
 def test_other_graph_modes_leave_the_counts_on_the_host(graphs):
     proc = dry_run_example(SCRIPTS["local"], GRAPHS=graphs, MICRO_BATCH="4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "fork features enabled: grouped_mm (--moe-grouped-gemm-impl torch)\n" in proc.stdout
+    assert (
+        "fork features enabled: grouped_mm (--moe-grouped-gemm-impl torch); dp_grad_scaling "
+        "(--ddp-scale-grads-in-loss)\n" in proc.stdout
+    )
     assert "splits_on_device" not in proc.stdout
     assert "micro-batches per step ............ 1 (global 4, micro 4)" in proc.stdout
 

@@ -24,13 +24,19 @@ optimizer from the same seed and says what it does:
   keeps it in;
 * ``revert``: patch names left out after ``registry.apply``;
 * ``ep``: the expert-parallel size (default 1); ``bf16``: bf16 model parameters;
+* ``scale_loss``: the backward pass starts from ``optimizer.scale_loss(loss)`` and the MoE
+  auxiliary loss's from ``optimizer.scale_loss(1)``, as megatron's training loop seeds them
+  through ``config.grad_scale_func`` (default: from the loss itself, the auxiliary loss's scale
+  left as it is);
+  ``fold``: ``--ddp-scale-grads-in-loss``;
 * ``moments``: ``--adam-moments-dtype`` (default fp32);
 * ``interpret``: Triton's interpreter on (``TRITON_INTERPRET=1``); ``block``: the one-kernel
   step's block (elements per program, default ``triton_step.BLOCK``). The interpreter runs each
   program in Python, so a larger block steps in fewer of them; the update is element-wise and
   masked at each tensor's end, the same for any block.
 
-Each rank writes ``<out>.rank<r>.json``: per phase the patches applied, the inner optimizers
+Each rank writes ``<out>.rank<r>.json``: per phase the patches applied, the scaling factors of
+DDP's gradient buckets as built (``bucket_factors``), the inner optimizers
 (class, fused), per iteration the loss, the gradient norm and the steps its Adams hold, the clip
 scale each step read, after a load the steps the checkpoint's parameter groups carried, the
 steps loaded and the dtypes of the moments loaded (``loaded_dtypes``), the dtypes of the moments
@@ -239,6 +245,7 @@ def _phase_args(args, phase, torch):
     phase_args.adam_impl = "te" if phase["impl"] == "megatron" else phase["impl"]
     phase_args.expert_model_parallel_size = phase.get("ep", args.expert_model_parallel_size)
     phase_args.adam_moments_dtype = phase.get("moments", "fp32")
+    phase_args.ddp_scale_grads_in_loss = phase.get("fold", False)
     if phase.get("bf16"):
         phase_args.bf16 = True
         phase_args.params_dtype = torch.bfloat16
@@ -337,6 +344,13 @@ def _phase(phase, args, out, torch, m):
             m.parallel_state.destroy_model_parallel()
             m.parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
         gpt, model, optimizer = _build(phase_args, m, torch)
+        record["bucket_factors"] = sorted(
+            {
+                float(bucket.gradient_scaling_factor)
+                for buffer in (*model.buffers, *model.expert_parallel_buffers)
+                for bucket in buffer.buckets
+            }
+        )
         record["inner"] = [
             [type(o.optimizer).__name__, bool(o.optimizer.defaults.get("fused"))]
             for o in _distributed_optimizers(optimizer)
@@ -355,9 +369,14 @@ def _phase(phase, args, out, torch, m):
         for iteration in range(start + 1, stop + 1):
             model.zero_grad_buffer()
             optimizer.zero_grad()
+            if phase.get("scale_loss"):  # the MoE auxiliary loss's, as megatron's forward step
+                m.MoEAuxLossAutoScaler.set_loss_scale(optimizer.scale_loss(torch.ones(1)))
             output, loss_fn = m.pretrain_gpt.forward_step(loader, model)
             loss, num_tokens, _ = loss_fn(output)
-            (loss / num_tokens).backward()
+            seed = loss / num_tokens
+            if phase.get("scale_loss"):
+                seed = optimizer.scale_loss(seed)
+            seed.backward()
             m.finalize_model_grads([model])
             ok, grad_norm, _ = optimizer.step()
             assert ok
@@ -410,6 +429,7 @@ def run(rank, world_size, port, out, phases):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.datasets.data_samplers import build_pretraining_data_loader
     from megatron.training.models.gpt import GPTModelBuilder
@@ -426,6 +446,7 @@ def run(rank, world_size, port, out, phases):
         get_megatron_optimizer=get_megatron_optimizer,
         ProcessGroupCollection=ProcessGroupCollection,
         Float16Module=Float16Module,
+        MoEAuxLossAutoScaler=MoEAuxLossAutoScaler,
         build_pretraining_data_loader=build_pretraining_data_loader,
         GPTModelBuilder=GPTModelBuilder,
         pretrain_gpt=pretrain_gpt,
