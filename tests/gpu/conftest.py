@@ -221,14 +221,9 @@ class _Job:
             paths.insert(0, os.path.dirname(os.path.abspath(entry[1])))
         environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         if emulate is not None:  # one process as rank 0 of an `emulate`-GPU job
-            environ.update(
-                WORLD_SIZE=str(emulate),
-                RANK="0",
-                LOCAL_RANK="0",
-                LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(29500 + zlib.crc32(name.encode()) % 1000),
-            )
+            import bench  # tools/bench, on pytest's pythonpath
+
+            environ.update(bench.emulation_env(emulate, 0))
             cmd = [sys.executable, *entry, *argv, "--fake-process-group"]
         else:
             cmd = [
