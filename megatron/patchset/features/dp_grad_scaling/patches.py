@@ -28,11 +28,6 @@ from megatron.patchset.features.dp_grad_scaling.flags import FLAG
 _moved: dict[str, float | None] = {"factor": None}
 
 
-def moved_factor() -> float | None:
-    """The factor the loss gradient carries, or None."""
-    return _moved["factor"]
-
-
 def _buckets(ddp):
     for buffer in (*ddp.buffers, *ddp.expert_parallel_buffers):
         yield buffer
