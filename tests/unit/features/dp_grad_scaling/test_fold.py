@@ -1,8 +1,9 @@
 """``--ddp-scale-grads-in-loss`` on the CPU: megatron's DistributedDataParallel and distributed
 optimizer around the tiny MoE GPT (gloo, 2 and 4 data-parallel ranks, EP 1 and 2), each backward
-pass seeded from ``optimizer.scale_loss`` as megatron's training loop seeds it. With the fold,
-DDP's buckets scale by 1 and the loss gradient by 1/DP: losses, gradient norms and the optimizer's
-state after the run are megatron's to the bit. The worker is
+pass seeded from ``optimizer.scale_loss`` as megatron's training loop seeds it; at DP 2 also with
+bf16 parameters (fp32 main gradients). With the fold, DDP's buckets scale by 1 and the loss
+gradient by 1/DP: losses, gradient norms and the optimizer's state after the run are megatron's
+to the bit. The worker is
 tests/unit/support/cpu_distributed_optimizer.py."""
 
 import pytest
@@ -16,9 +17,9 @@ N = 4
 LOSS_ONLY = ["dp_grad_scaling.scaled_loss_gradient"]
 
 
-def phases(ep):
-    tag = f"_ep{ep}" if ep > 1 else ""
-    common = dict(impl="megatron", stop=N, state_after=N, scale_loss=True, ep=ep)
+def phases(ep, bf16=False):
+    tag = (f"_ep{ep}" if ep > 1 else "") + ("_bf16" if bf16 else "")
+    common = dict(impl="megatron", stop=N, state_after=N, scale_loss=True, ep=ep, bf16=bf16)
     return [
         dict(name=f"megatron{tag}", **common),
         dict(name=f"fold{tag}", fold=True, **common),
@@ -29,7 +30,7 @@ def phases(ep):
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
-    return spawn(tmp_path_factory.mktemp("fold_dp2"), 2, phases(1))
+    return spawn(tmp_path_factory.mktemp("fold_dp2"), 2, phases(1) + phases(1, bf16=True))
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +39,13 @@ def dp4(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("size, dp, ep", [("dp2", 2, 1), ("dp4", 4, 1), ("dp4", 4, 2)])
-def test_fold_trains_as_megatron_to_the_bit(request, size, dp, ep):
+@pytest.mark.parametrize(
+    "size, dp, ep, bf16",
+    [("dp2", 2, 1, False), ("dp2", 2, 1, True), ("dp4", 4, 1, False), ("dp4", 4, 2, False)],
+)
+def test_fold_trains_as_megatron_to_the_bit(request, size, dp, ep, bf16):
     run = request.getfixturevalue(size)
-    tag = f"_ep{ep}" if ep > 1 else ""
+    tag = (f"_ep{ep}" if ep > 1 else "") + ("_bf16" if bf16 else "")
     for ref, own, half in zip(
         run[f"megatron{tag}"], run[f"fold{tag}"], run[f"buffers_only{tag}"], strict=True
     ):
