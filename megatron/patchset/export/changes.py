@@ -80,6 +80,7 @@ SERIES = (
     "megatron.patchset.core.compat:CHECKPOINT_EXIT_CHANGE",
     "megatron.patchset.features.fsdp_cuda_graphs.upstream:CHANGE",
     "megatron.patchset.features.grouped_mm.upstream:CHANGE",
+    "megatron.patchset.features.dp_grad_scaling.upstream:CHANGE",
 )
 
 

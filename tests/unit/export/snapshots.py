@@ -277,6 +277,7 @@ DEFAULTS_OF_NEW_ARGUMENTS = {
     "adam_fusion_impl": "auto",
     "moe_grouped_gemm_impl": "te",
     "moe_expert_splits_on_device": False,
+    "ddp_scale_gradients_in_loss": False,
 }
 
 

@@ -6,6 +6,7 @@ under Triton's interpreter) and its tests of the config fail without the code ed
 
 import re
 
+from megatron.patchset.export import changes
 from megatron.patchset.features.grouped_mm import upstream
 from tests.unit.export import snapshots
 
@@ -15,9 +16,10 @@ TESTS = r"test_torch_grouped_gemm\.py"
 
 
 def test_the_change_applies_with_the_forward_edit_of_each_snapshot(series):
-    log = snapshots.git(series.edited, "log", "-1", "--format=%s").stdout.strip()
-    assert log == upstream.CHANGE.subject  # the last of the series
-    text = open(series.patches[-1]).read()
+    index = [change.name for change in changes.series()].index(upstream.CHANGE.name)
+    subjects = snapshots.git(series.edited, "log", "--format=%s").stdout.splitlines()[::-1]
+    assert subjects[1 + index] == upstream.CHANGE.subject  # after the snapshot's own commit
+    text = open(series.patches[index]).read()
     if series.branch == "main":
         assert "+        elif self.config.moe_expert_splits_on_device:" in text
     else:
