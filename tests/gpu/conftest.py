@@ -350,6 +350,19 @@ def first_difference(a, b):
     return None
 
 
+def assert_same_bits(ours, reference, label, iters):
+    """``ours`` and ``reference`` each logged ``iters`` iterations, with the same losses and
+    gradient norms to the last bit; prints ``label``, ours' first and last loss and the first
+    difference."""
+    assert len(ours.losses) == len(reference.losses) == iters
+    print(
+        f"\n{label}: losses {ours.losses[0]:.6f} -> {ours.losses[-1]:.6f}; first difference "
+        f"{first_difference(ours.losses, reference.losses)}"
+    )
+    assert first_difference(ours.losses, reference.losses) is None
+    assert first_difference(ours.grad_norms, reference.grad_norms) is None
+
+
 def assert_resumed_exactly(full, first, again, exit_at):
     """A run stopped after iteration ``exit_at`` (``first``) and resumed from its checkpoint
     (``again``) logs every iteration of the uninterrupted run ``full`` once, with bit-identical

@@ -20,7 +20,7 @@ import math
 import pytest
 
 from megatron.patchset.features.grouped_mm import linears, torch_grouped_gemm
-from tests.gpu.conftest import first_difference, gpu_count, launch_many, tiny_argv
+from tests.gpu.conftest import assert_same_bits, gpu_count, launch_many, tiny_argv
 
 pytestmark = pytest.mark.gpu
 
@@ -250,13 +250,7 @@ def test_full_iteration_graph_replays_the_eager_step_bitwise(runs):
     eager run's losses and gradient norms bit for bit."""
     eager, graphed = runs["det_eager"], runs["det_full_graph"]
     assert CAPTURED in graphed.log_text() and CAPTURED not in eager.log_text()
-    assert len(eager.losses) == len(graphed.losses) == ITERS
-    print(
-        f"\nfull-iteration graph vs eager, {ITERS} iterations: losses {eager.losses[0]:.6f} -> "
-        f"{eager.losses[-1]:.6f}; first difference {first_difference(graphed.losses, eager.losses)}"
-    )
-    assert first_difference(graphed.losses, eager.losses) is None
-    assert first_difference(graphed.grad_norms, eager.grad_norms) is None
+    assert_same_bits(graphed, eager, f"full-iteration graph vs eager, {ITERS} iterations", ITERS)
 
 
 @pytest.mark.gpus(1)
@@ -267,13 +261,9 @@ def test_the_experts_activation_recomputes_inside_the_full_iteration_graph(runs)
     bit for bit."""
     eager, graphed = runs["det_eager"], runs["det_full_graph_recompute"]
     assert CAPTURED in graphed.log_text()
-    assert len(graphed.losses) == ITERS
-    print(
-        f"\nmoe_act recomputed in the full-iteration graph vs eager: first difference "
-        f"{first_difference(graphed.losses, eager.losses)}"
+    assert_same_bits(
+        graphed, eager, "moe_act recomputed in the full-iteration graph vs eager", ITERS
     )
-    assert first_difference(graphed.losses, eager.losses) is None
-    assert first_difference(graphed.grad_norms, eager.grad_norms) is None
 
 
 @pytest.mark.gpus(1)

@@ -15,8 +15,8 @@ dynamically (and the run still matches), or stops with the error that names the 
 import pytest
 
 from tests.gpu.conftest import (
+    assert_same_bits,
     assert_trains_alike,
-    first_difference,
     gpu_count,
     launch_many,
     tiny_argv,
@@ -94,16 +94,6 @@ def needs(n):
         pytest.skip(f"needs {n} GPUs")
 
 
-def bitwise(a, b, label):
-    assert len(a.losses) == len(b.losses) == ITERS
-    print(
-        f"\n{label}: losses {a.losses[0]:.6f} -> {a.losses[-1]:.6f}; first difference "
-        f"{first_difference(a.losses, b.losses)}"
-    )
-    assert first_difference(a.losses, b.losses) is None
-    assert first_difference(a.grad_norms, b.grad_norms) is None
-
-
 def close(ours, reference, label):
     assert_trains_alike(
         ours, reference, label, iters=ITERS, loss_atol=LOSS_ATOL, grad_norm_rtol=GRAD_NORM_RTOL
@@ -112,14 +102,16 @@ def close(ours, reference, label):
 
 @pytest.mark.gpus(1)
 def test_static_path_at_ep1_equals_the_device_counts_path_bitwise(runs):
-    bitwise(runs["det_static_1gpu"], runs["det_splits_1gpu"], "static vs device counts, EP=1")
+    assert_same_bits(
+        runs["det_static_1gpu"], runs["det_splits_1gpu"], "static vs device counts, EP=1", ITERS
+    )
 
 
 @pytest.mark.gpus(1)
 def test_static_path_full_iteration_graph_replays_the_eager_step_bitwise(runs):
     graphed, eager = runs["det_static_graph_1gpu"], runs["det_static_1gpu"]
     assert CAPTURED in graphed.log_text() and CAPTURED not in eager.log_text()
-    bitwise(graphed, eager, "static, full-iteration graph vs eager, EP=1")
+    assert_same_bits(graphed, eager, "static, full-iteration graph vs eager, EP=1", ITERS)
 
 
 @pytest.mark.gpus(1)
@@ -149,7 +141,9 @@ def test_static_ep2_trains_like_the_dynamic_all_to_all(runs):
 )
 def test_static_ep2_equals_the_dynamic_all_to_all_bitwise(runs):
     needs(2)
-    bitwise(runs["det_static_ep2"], runs["det_dynamic_ep2"], "static vs dynamic, EP=2, bitwise")
+    assert_same_bits(
+        runs["det_static_ep2"], runs["det_dynamic_ep2"], "static vs dynamic, EP=2, bitwise", ITERS
+    )
 
 
 @pytest.mark.gpus(2)
@@ -157,7 +151,9 @@ def test_static_ep2_full_iteration_graph_replays_the_eager_step_bitwise(runs):
     needs(2)
     graphed = runs["det_static_graph_ep2"]
     assert CAPTURED in graphed.log_text() and RERUN not in graphed.log_text()
-    bitwise(graphed, runs["det_static_ep2"], "static, full-iteration graph vs eager, EP=2")
+    assert_same_bits(
+        graphed, runs["det_static_ep2"], "static, full-iteration graph vs eager, EP=2", ITERS
+    )
 
 
 @pytest.mark.gpus(2)
@@ -167,7 +163,7 @@ def test_overflow_reruns_the_step_and_the_run_still_matches(runs, tmp_path):
     reruns = rerun.log_text().count(RERUN)
     print(f"\ncapacity factor 1.0 at EP=2: {reruns} step(s) re-run of {ITERS}")
     assert reruns >= 1
-    bitwise(rerun, runs["det_dynamic_ep2"], "overflow re-runs vs dynamic, EP=2")
+    assert_same_bits(rerun, runs["det_dynamic_ep2"], "overflow re-runs vs dynamic, EP=2", ITERS)
     argv = tiny_argv(
         "--train-iters",
         "6",
