@@ -8,11 +8,7 @@ two patches left out, bit for bit."""
 import pytest
 
 from megatron.patchset import recipes
-from tests.gpu.conftest import (
-    DETERMINISTIC,
-    launch_many,
-    tiny_argv,
-)
+from tests.gpu.conftest import DETERMINISTIC, assert_same_bits, launch_many, tiny_argv
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +41,8 @@ def fold_and_reference(tmp_path, nproc, emulate=None):
     return runs["fold"], runs["megatron_scaling"]
 
 
-def assert_same_bits(fold, reference, label):
+def assert_folded_and_same_bits(fold, reference, label):
+    """Only ``fold`` applied the feature's patches, and both trained to the same bits."""
     applied = "megatron-patchset patches applied: "
     for run, folded in ((fold, True), (reference, False)):
         line = next(x for x in run.log_text().splitlines() if applied in x)
@@ -57,10 +54,10 @@ def assert_same_bits(fold, reference, label):
 @pytest.mark.gpus(1)
 def test_fold_under_the_recipe_graphs_equals_megatrons_scaling_bitwise(tmp_path):
     fold, reference = fold_and_reference(tmp_path, 1, emulate=4)
-    assert_same_bits(fold, reference, "rank 0 of 4 at EP=2")
+    assert_folded_and_same_bits(fold, reference, "rank 0 of 4 at EP=2")
 
 
 @pytest.mark.gpus(2)
 def test_fold_on_two_gpus_equals_megatrons_scaling_bitwise(tmp_path):
     fold, reference = fold_and_reference(tmp_path, 2)
-    assert_same_bits(fold, reference, "2 GPUs, DP=2, EP=2")
+    assert_folded_and_same_bits(fold, reference, "2 GPUs, DP=2, EP=2")
