@@ -1,8 +1,9 @@
 """The small-micro-batch recipe: MoE training out of the host-overhead regime.
 
 The experts run as one grouped GEMM each for forward, dgrad and wgrad with the per-expert token
-counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slots
-(``--moe-static-dispatch``). With ``GRAPHS=full`` megatron replays the whole forward and backward
+counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slots (``--moe-static-
+dispatch``; ``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose all-to-alls overlap
+the experts of another chunk). With ``GRAPHS=full`` megatron replays the whole forward and backward
 as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer step as a second
 (``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the Triton cross entropy.
 DDP's ``1 / data-parallel size`` is applied to the loss gradient instead of the whole gradient
@@ -60,6 +61,8 @@ def _build(k) -> r.Built:
         if k.ep > 1:
             flags += ["--moe-static-dispatch"]
             flags += ["--moe-static-dispatch-capacity-factor", f"{k.capacity_factor:g}"]
+            if k.a2a_chunks > 1:
+                flags += ["--moe-static-dispatch-chunks", str(k.a2a_chunks)]
         flags += ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2"]
         flags += ["--no-check-for-nan-in-loss-and-grad", "--timing-log-level", "0"]
         if k.optimizer_graph:
@@ -96,6 +99,12 @@ RECIPE = r.Recipe(
         ),
         r.whole("EP", 1, "expert-parallel size; > 1 uses the static all-to-all with GRAPHS=full"),
         r.number("CAPACITY_FACTOR", 2.0, "per-peer slots of the static all-to-all (EP > 1)"),
+        r.whole(
+            "A2A_CHUNKS",
+            1,
+            "token chunks per MoE layer whose all-to-alls overlap the experts of another chunk "
+            "(EP > 1 with GRAPHS=full); 1: none",
+        ),
         r.switch("OPTIMIZER_GRAPH", True, "the optimizer step as a CUDA graph (GRAPHS=full)"),
         r.switch(
             "KERNELS",

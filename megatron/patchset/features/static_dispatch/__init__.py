@@ -5,6 +5,8 @@ static_dispatch.md).
 ``--moe-static-dispatch`` replaces the host side of megatron's all-to-all dispatcher
 (:mod:`.dispatcher`, index maps in :mod:`.plan`, gathers in :mod:`.gather`); a step whose rows do
 not fit the per-peer capacity is re-run with megatron's dynamic path or stops (:mod:`.runner`).
+``--moe-static-dispatch-chunks N`` runs each MoE layer in N token chunks whose all-to-alls
+overlap the experts of another chunk (:mod:`.chunks`).
 """
 
 from megatron.patchset.core.features import Feature
@@ -20,7 +22,14 @@ def _in_use(args) -> list[str]:
         flags.FLAG,
         f"{flags.FACTOR_FLAG} {flags.factor(args)}",
         f"{flags.OVERFLOW_FLAG} {flags.on_overflow(args)}: {policy}",
-    ]
+    ] + (
+        [
+            f"{flags.CHUNKS_FLAG} {flags.chunks(args)}: each MoE layer in {flags.chunks(args)} "
+            "token chunks, their all-to-alls on a side stream beside the experts"
+        ]
+        if flags.chunks(args) > 1
+        else []
+    )
 
 
 FEATURE = Feature(
@@ -31,8 +40,13 @@ FEATURE = Feature(
     upstream_pr="fork-only (megatron-core 0.19.2's static-shape dispatch is the flex "
     "dispatcher's HybridEP / NCCL EP budget, tested on Blackwell)",
     status="experimental",
-    modules=(f"{__name__}.rules", f"{__name__}.dispatcher", f"{__name__}.runner"),
-    flags=(flags.FLAG, flags.FACTOR_FLAG, flags.OVERFLOW_FLAG),
+    modules=(
+        f"{__name__}.rules",
+        f"{__name__}.dispatcher",
+        f"{__name__}.runner",
+        f"{__name__}.chunks",
+    ),
+    flags=flags.FLAGS,
     add_arguments=flags.add_arguments,
     configure_config=flags.configure_config,
     in_use=_in_use,

@@ -12,11 +12,14 @@ OVERFLOW_FLAG = "--moe-static-dispatch-on-overflow"
 DEFAULT_FACTOR = 2.0
 ON_OVERFLOW = ("rerun", "fail")
 DEFAULT_ON_OVERFLOW = "rerun"
-FLAGS = (FLAG, FACTOR_FLAG, OVERFLOW_FLAG)
+CHUNKS_FLAG = "--moe-static-dispatch-chunks"
+DEFAULT_CHUNKS = 1
+FLAGS = (FLAG, FACTOR_FLAG, OVERFLOW_FLAG, CHUNKS_FLAG)
 
 # TransformerConfig attributes (absent: upstream's dispatcher).
 CONFIG_ON = "moe_static_dispatch"
 CONFIG_FACTOR = "moe_static_dispatch_capacity_factor"
+CONFIG_CHUNKS = "moe_static_dispatch_chunks"
 
 
 def requested(args: Any) -> bool:
@@ -31,13 +34,18 @@ def on_overflow(args: Any) -> str:
     return getattr(args, "moe_static_dispatch_on_overflow", DEFAULT_ON_OVERFLOW)
 
 
+def chunks(args: Any) -> int:
+    return getattr(args, "moe_static_dispatch_chunks", DEFAULT_CHUNKS)
+
+
 def flags_given(args: Any) -> list[str]:
-    """The capacity factor and the overflow policy where set away from their defaults, as they
-    were typed."""
+    """The capacity factor, the overflow policy and the chunk count where set away from their
+    defaults, as they were typed."""
     given = []
     for flag, value, default in (
         (FACTOR_FLAG, factor(args), DEFAULT_FACTOR),
         (OVERFLOW_FLAG, on_overflow(args), DEFAULT_ON_OVERFLOW),
+        (CHUNKS_FLAG, chunks(args), DEFAULT_CHUNKS),
     ):
         if value != default:
             given.append(f"{flag} {value}")
@@ -74,6 +82,16 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "(eager, with host split sizes). fail: stop with an error that names the capacity. "
         f"Default: {DEFAULT_ON_OVERFLOW}.",
     )
+    group.add_argument(
+        CHUNKS_FLAG,
+        type=int,
+        default=DEFAULT_CHUNKS,
+        help="Split each MoE layer's tokens (along the sequence) into this many chunks after the "
+        "router, and run each chunk's dispatch and combine all-to-alls on a side stream while "
+        "the experts compute another chunk, so that only the first chunk's dispatch and the last "
+        "chunk's combine wait for the network. 1: one all-to-all each way, no overlap. "
+        f"Default: {DEFAULT_CHUNKS}.",
+    )
 
 
 def configure_config(args: Any, config: Any) -> None:
@@ -84,4 +102,5 @@ def configure_config(args: Any, config: Any) -> None:
         return
     setattr(config, CONFIG_ON, True)
     setattr(config, CONFIG_FACTOR, float(factor(args)))
+    setattr(config, CONFIG_CHUNKS, int(chunks(args)))
     state.ON_OVERFLOW = on_overflow(args)

@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import math
 
-from megatron.patchset.core.predicates import capacity_limited, etp, stash_or_budget
+from megatron.patchset.core.predicates import (
+    capacity_limited,
+    etp,
+    graph_scope_names,
+    stash_or_budget,
+)
 from megatron.patchset.core.rules import listed, rule
 from megatron.patchset.features.grouped_mm.flags import FLAG as GEMM_FLAG
 from megatron.patchset.features.grouped_mm.flags import SPLITS_FLAG, splits_on_device
 from megatron.patchset.features.grouped_mm.flags import requested as grouped_mm_torch
 from megatron.patchset.features.static_dispatch.flags import (
+    CHUNKS_FLAG,
     FACTOR_FLAG,
     FLAG,
     FLAGS,
+    chunks,
     factor,
     flags_given,
     requested,
@@ -130,3 +137,67 @@ def _capacity_factor(args):
             f"size) already gives; use at most {ep}."
         )
     return None
+
+
+@rule(
+    "moe-static-dispatch-chunks",
+    phase="layout",
+    flags=(
+        CHUNKS_FLAG,
+        "--seq-length",
+        "--tensor-model-parallel-size",
+        "--sequence-parallel",
+        "--context-parallel-size",
+        "--use-megatron-fsdp",
+        "--use-torch-fsdp2",
+        "--recompute-modules",
+        "--delay-wgrad-compute",
+        "--overlap-dispatch-backward-with-experts-wgrad",
+        "--cuda-graph-modules",
+    ),
+)
+def _chunks(args):
+    """Each MoE layer's sequence splits into equal chunks after the router, and every chunk's
+    experts run a backward pass of their own: what accumulates or stashes weight gradients once
+    per layer and micro-batch, or captures the layer's stages one by one, cannot take that."""
+    if not requested(args) or chunks(args) == 1:
+        return None
+    n = chunks(args)
+    if n < 1:
+        return f"{CHUNKS_FLAG} {n}: must be at least 1 (1: no chunks)"
+    seq = args.seq_length // max(1, getattr(args, "context_parallel_size", 1) or 1)
+    if getattr(args, "sequence_parallel", False):
+        seq //= max(1, args.tensor_model_parallel_size)
+    problems = []
+    if seq % n:
+        problems.append(
+            f"a chunk count that divides the {seq} tokens of a sequence each MoE layer gets "
+            "(--seq-length over the context- and sequence-parallel split)"
+        )
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        problems.append(
+            "no Megatron-FSDP / FSDP2 (they overwrite the main gradient at every weight-gradient "
+            "GEMM, so the second chunk's would replace the first's)"
+        )
+    if "moe" in (getattr(args, "recompute_modules", None) or []) and (
+        getattr(args, "recompute_granularity", None) == "selective"
+    ):
+        problems.append(
+            "no --recompute-modules moe (recomputing the whole layer would run its all-to-alls "
+            "again inside the backward pass); moe_act recomputes inside each chunk"
+        )
+    if getattr(args, "delay_wgrad_compute", False) or getattr(
+        args, "overlap_dispatch_backward_with_experts_wgrad", False
+    ):
+        problems.append(
+            "no --delay-wgrad-compute / --overlap-dispatch-backward-with-experts-wgrad (they keep "
+            "one deferred weight gradient per layer and micro-batch)"
+        )
+    scopes = {name for name in graph_scope_names(args) if name.startswith("moe")}
+    if scopes and getattr(args, "cuda_graph_impl", "none") in ("local", "transformer_engine"):
+        named = " ".join(sorted(scopes))
+        problems.append(
+            f"no per-layer graphs of the MoE stages (--cuda-graph-modules {named}: they capture "
+            "the layer's stages one by one); --cuda-graph-impl full_iteration captures the chunks"
+        )
+    return listed(f"{CHUNKS_FLAG} {n} needs: ", problems)

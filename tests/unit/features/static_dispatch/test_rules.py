@@ -74,3 +74,33 @@ def test_a_factor_too_large_for_a_capacity_is_refused(value):
     assert (
         failures(tiny_argv(*STATIC, *EP2, "--moe-static-dispatch-capacity-factor", "1e6"), 2) == {}
     )
+
+
+CHUNKS = ("--moe-static-dispatch-chunks",)
+
+
+def test_chunks_pass_with_the_recipe_and_act_only_with_the_static_dispatch():
+    assert failures(tiny_argv(*STATIC, *EP2, *CHUNKS, "2"), world_size=2) == {}
+    got = failures(tiny_argv(*CHUNKS, "2"))
+    assert got == {
+        "moe-static-dispatch-options": "--moe-static-dispatch-chunks 2 only act with "
+        "--moe-static-dispatch: add it or drop them."
+    }
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (("--moe-static-dispatch-chunks", "0"), "--moe-static-dispatch-chunks 0: must be at least"),
+        (("--moe-static-dispatch-chunks", "3"), "divides the 1024 tokens of a sequence"),
+        (
+            ("--moe-static-dispatch-chunks", "2", "--recompute-granularity", "selective")
+            + ("--recompute-modules", "moe"),
+            "no --recompute-modules moe",
+        ),
+        (("--moe-static-dispatch-chunks", "2", "--delay-wgrad-compute"), "--delay-wgrad-compute"),
+    ],
+)
+def test_what_chunks_cannot_take_is_named(extra, expected):
+    got = failures(tiny_argv(*STATIC, *EP2, *extra), world_size=2)
+    assert expected in got.get("moe-static-dispatch-chunks", ""), got

@@ -1,0 +1,226 @@
+"""MoE layers in token chunks whose all-to-alls overlap the experts of another chunk
+(``--moe-static-dispatch-chunks N``).
+
+megatron's MoE layer runs router, dispatch all-to-all, experts and combine all-to-all one after
+the other: while the all-to-all moves a layer's rows the GPU computes nothing. Here the layer
+routes all its tokens at once (the router, its auxiliary loss and its metrics see the same tokens
+as megatron's), then splits them along the sequence into ``N`` chunks, each with a dispatcher of
+its own (a shallow copy: the dispatcher keeps per-call state), and runs
+
+* the permutation of every chunk, on the current stream;
+* each chunk's dispatch and combine all-to-alls on a side stream, in the order dispatch 0,
+  dispatch 1, combine 0, dispatch 2, combine 1, ..., combine N-1;
+* each chunk's experts on the current stream once its dispatch has arrived.
+
+So the dispatch of chunk ``k + 1`` and the combine of chunk ``k`` move rows while the experts of
+chunk ``k`` and ``k + 1`` compute; only the first dispatch and the last combine wait for the
+network. The backward pass runs each operation on the stream of its forward (autograd's stream
+semantics), the mirror image: the combine gradients of the last chunks and the dispatch gradients
+of the first overlap the experts' backward. Event waits order the two streams; a CUDA graph
+captures them as parallel branches. On the CPU both streams are the host, in the same order.
+
+Every token's rows meet the same expert weights as without chunks; what differs is the order in
+which the expert weight gradients are summed (chunk by chunk) and the capacity, which applies per
+chunk (``ceil(F x tokens / N x top-k / EP)`` rows per peer). Tensors that cross streams stay
+referenced until the current stream has waited for the side stream, so the caching allocator
+cannot hand their memory to the other stream early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+from megatron.patchset.core.errors import PatchsetError
+from megatron.patchset.core.registry import patch
+from megatron.patchset.features.static_dispatch import flags, state
+
+_MOE_LAYER = "megatron.core.transformer.moe.moe_layer.MoELayer"
+_STAGES = ("route", "expert_compute", "postprocess")
+_side_streams: dict = {}  # device index -> the all-to-all stream
+_announced: set = set()
+
+
+def announce(chunks: int, tokens: int, side: bool) -> None:
+    """One line on rank 0, at the first chunked forward."""
+    import torch
+
+    if chunks in _announced:
+        return
+    _announced.add(chunks)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        where = "on a side stream beside the experts" if side else "in program order (no GPU)"
+        print(
+            f"megatron-patchset: MoE layers run in {chunks} token chunks of {tokens} tokens per "
+            f"sequence, their all-to-alls {where} ({flags.CHUNKS_FLAG} {chunks})",
+            flush=True,
+        )
+
+
+def side_stream(device):
+    """The stream the chunks' all-to-alls run on (one per GPU, made once); None off the GPU."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
+
+
+class Streams:
+    """The current stream (experts) and the side stream (all-to-alls), with the events between
+    them; every method is a no-op on the CPU."""
+
+    def __init__(self, device):
+        import torch
+
+        self.side = side_stream(device)
+        self.main = torch.cuda.current_stream(device) if self.side is not None else None
+
+    def mark(self, on_side: bool = False):
+        """An event at the current end of one stream's work."""
+        if self.side is None:
+            return None
+        return (self.side if on_side else self.main).record_event()
+
+    @contextlib.contextmanager
+    def on_side(self, after=None):
+        """Run the block on the side stream, after ``after`` (an event of :meth:`mark`)."""
+        if self.side is None:
+            yield
+            return
+        import torch
+
+        if after is not None:
+            self.side.wait_event(after)
+        with torch.cuda.stream(self.side):
+            yield
+
+    def main_waits(self, event) -> None:
+        if self.side is not None and event is not None:
+            self.main.wait_event(event)
+
+    def join(self) -> None:
+        """The current stream waits for everything issued on the side stream."""
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
+@contextlib.contextmanager
+def using(layer, dispatcher):
+    """``layer``'s stages call ``dispatcher`` inside the block."""
+    own = layer.token_dispatcher
+    layer.token_dispatcher = dispatcher
+    try:
+        yield
+    finally:
+        layer.token_dispatcher = own
+
+
+def chunk_dispatchers(layer, chunks: int) -> list:
+    """One dispatcher per chunk: shallow copies of the layer's, made once per chunk count."""
+    held = getattr(layer, "_patchset_chunk_dispatchers", None)
+    if held is None or len(held) != chunks or held[0].__class__ is not type(layer.token_dispatcher):
+        held = [copy.copy(layer.token_dispatcher) for _ in range(chunks)]
+        layer._patchset_chunk_dispatchers = held
+    return held
+
+
+def chunked_forward(layer, hidden_states, padding_mask, chunks: int):
+    """megatron's MoE layer forward (route, dispatch, experts, combine, postprocess) in ``chunks``
+    sequence chunks, the all-to-alls on the side stream. Returns ``(output, None)``."""
+    import torch
+
+    seq = hidden_states.size(0)
+    if seq % chunks:
+        raise PatchsetError(
+            f"{flags.CHUNKS_FLAG} {chunks}: this MoE layer gets {seq} tokens per sequence, not a "
+            f"multiple of {chunks}; choose a chunk count that divides it"
+        )
+    if padding_mask is not None:
+        padding_mask = padding_mask.transpose(0, 1).bool()
+    shared = layer.shared_experts_compute(hidden_states)
+    probs, routing_map = layer.route(hidden_states, padding_mask)
+    step, rows = seq // chunks, routing_map.size(0) // chunks  # rows are [seq, batch] flattened
+    dispatchers = chunk_dispatchers(layer, chunks)
+    streams = Streams(hidden_states.device)
+    announce(chunks, step, streams.side is not None)
+
+    inputs = []
+    for k, dispatcher in enumerate(dispatchers):
+        part = slice(k * rows, (k + 1) * rows)
+        with using(layer, dispatcher):
+            inputs.append(
+                layer.preprocess(
+                    hidden_states[k * step : (k + 1) * step], probs[part], routing_map[part]
+                )
+            )
+    permuted = streams.mark()
+
+    dispatched, arrived, combined, outputs = [None] * chunks, [None] * chunks, [], []
+
+    def dispatch(k):
+        with streams.on_side(after=permuted), using(layer, dispatchers[k]):
+            dispatched[k] = layer.dispatch(*inputs[k])
+            arrived[k] = streams.mark(on_side=True)
+
+    dispatch(0)
+    for k, dispatcher in enumerate(dispatchers):
+        if k + 1 < chunks:
+            dispatch(k + 1)
+        streams.main_waits(arrived[k])
+        with using(layer, dispatcher):
+            output, bias = layer.routed_experts_compute(*dispatched[k])
+        if bias is not None:
+            raise PatchsetError(f"{flags.CHUNKS_FLAG}: the experts return a bias; drop the flag")
+        outputs.append(output)  # held until the join: the side stream reads it
+        with streams.on_side(after=streams.mark()), using(layer, dispatcher):
+            combined.append(layer.combine(output))
+    streams.join()
+
+    results = []
+    for k, dispatcher in enumerate(dispatchers):
+        part = None if shared is None else shared[k * step : (k + 1) * step]
+        with using(layer, dispatcher):
+            results.append(layer.postprocess(combined[k], part))
+    return torch.cat(results, dim=0), None
+
+
+def applies(layer, intermediate_tensors) -> int:
+    """The chunk count for this call of ``layer``'s forward; 1 where megatron's own forward runs
+    (no chunks asked, the dynamic re-run of an overflowed step, a forward split into stages by a
+    schedule or a per-layer graph, the MoE layer recomputed as a whole, inference)."""
+    config = layer.config
+    chunks = int(getattr(config, flags.CONFIG_CHUNKS, 1) or 1)
+    if chunks <= 1 or not getattr(config, flags.CONFIG_ON, False) or not state.static():
+        return 1
+    if intermediate_tensors is not None or list(layer.fwd_execution_map) != list(_STAGES):
+        return 1
+    if getattr(layer, "moe_layer_recompute", False) and layer.training:
+        return 1
+    if hasattr(layer, "_inference_token_dispatcher"):
+        return 1
+    return chunks
+
+
+@patch(
+    "static_dispatch.chunks",
+    f"{_MOE_LAYER}.forward",
+    reason="megatron's MoE layer waits for each all-to-all with nothing to compute; with "
+    "--moe-static-dispatch-chunks N it routes all tokens, then runs N sequence chunks whose "
+    "all-to-alls (on a side stream) overlap the experts of another chunk",
+    flags=(flags.CHUNKS_FLAG,),
+    enabled=lambda args: flags.requested(args) and flags.chunks(args) > 1,
+)
+def _chunked(original):
+    @functools.wraps(original)
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        chunks = applies(self, intermediate_tensors)
+        if chunks == 1:
+            return original(self, hidden_states, intermediate_tensors, padding_mask)
+        return chunked_forward(self, hidden_states, padding_mask, chunks)
+
+    return forward
