@@ -1212,11 +1212,13 @@ def format_comm_table(rows: list[dict]) -> str:
         c = r.get("comm")
         if c is None:
             continue
+        a2a = f"{c['a2a_ms']:.1f} ({c['a2a_count']} x {c['a2a_mb_each']:.0f} MB, {c['a2a_link']})"
+        if c.get("a2a_chunks", 1) > 1:
+            a2a += f"; {c['a2a_exposed_ms']:.1f} exposed in {c['a2a_chunks']} chunks"
         table.append(
             [
                 r["variant"],
-                f"{c['a2a_ms']:.1f} ({c['a2a_count']} x {c['a2a_mb_each']:.0f} MB, "
-                f"{c['a2a_link']})",
+                a2a,
                 f"{c['grad_ms']:.1f} ({c['dp_link']})",
                 f"{c['param_ms']:.1f}",
                 f"{r['step_ms']:.1f}",
@@ -1305,7 +1307,9 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
                 f"{emulate['gpus_per_node']} GPUs: bus bandwidths {links['a2a_nvlink']:.0f} GB/s "
                 f"all-to-all and {links['nvlink']:.0f} GB/s gather and reduce on NVLink, "
                 f"{links['nic']:.0f} GB/s per GPU's network card across nodes. The step adds "
-                "the all-to-all, not overlapped, and the data-parallel traffic hidden behind "
+                "the all-to-all, not overlapped (with --moe-static-dispatch-chunks: the part the "
+                "experts of the other chunks do not cover, at the step's average TFLOP/s), and "
+                "the data-parallel traffic hidden behind "
                 "forward and backward up to their length (first figure) or not at all (second). "
                 "A plan, not a measurement: tools/bench/comm_model.py",
                 format_comm_table(result["variants"]),

@@ -23,9 +23,13 @@ measurements, cited there; ``--nvlink-gbps``, ``--a2a-nvlink-gbps`` and ``--nic-
 others.
 
 The prediction is a plan, not a measurement. It assumes that the all-to-all is not overlapped with
-compute (megatron's alltoall dispatcher without ``--overlap-moe-expert-parallel-comm``) and
-prints two bounds for the data-parallel traffic: none of it hidden, and all of it hidden behind
-the forward and backward pass up to their length (megatron's ``--overlap-grad-reduce
+compute (megatron's alltoall dispatcher without ``--overlap-moe-expert-parallel-comm``), except
+with ``--moe-static-dispatch-chunks N`` (:func:`chunked_exposed_ms`): there each layer's
+all-to-alls run on a side stream in N chunks beside the experts of another chunk, and the model
+plays that schedule through with the experts' time taken as their FLOPs at the emulated step's
+average TFLOP/s (forward; the backward twice that), which leaves exposed what the experts cannot
+cover. It prints two bounds for the data-parallel traffic: none of it hidden, and all of it hidden
+behind the forward and backward pass up to their length (megatron's ``--overlap-grad-reduce
 --overlap-param-gather``). Latency, congestion and the compute the collectives slow down are not
 modelled.
 """
@@ -81,6 +85,8 @@ class Shape:
     grad_bytes: int
     param_bytes: int = 2
     a2a_rows_factor: float = 1.0  # rows sent per routed row: the static dispatch's capacity
+    a2a_chunks: int = 1  # --moe-static-dispatch-chunks: all-to-alls beside the experts
+    expert_flops: float = 0.0  # the experts' forward FLOPs per MoE layer and micro-batch
 
     @property
     def dp(self) -> int:
@@ -117,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=int, default=default)
     # the static dispatch's default capacity factor (features/static_dispatch/flags.py)
     p.add_argument("--moe-static-dispatch-capacity-factor", type=float, default=2.0)
+    p.add_argument("--moe-static-dispatch-chunks", type=int, default=1)
     for flag in (
         "--use-distributed-optimizer",
         "--untie-embeddings-and-output-weights",
@@ -185,6 +192,13 @@ def shape_of(argv: list[str], world: int) -> Shape:
         # megatron accumulates and reduces bf16 gradients in fp32
         grad_bytes=4 if (a.bf16 or a.accumulate_allreduce_grads_in_fp32) else 2,
         a2a_rows_factor=a.moe_static_dispatch_capacity_factor if a.moe_static_dispatch else 1.0,
+        a2a_chunks=a.moe_static_dispatch_chunks if a.moe_static_dispatch else 1,
+        # routed rows x (fc1: h -> gated x ffn, fc2: ffn -> h), two FLOPs per multiply-add
+        expert_flops=(
+            a.seq_length * a.micro_batch_size // cp * a.moe_router_topk * 2 * h * ffn * (gated + 1)
+            if experts
+            else 0.0
+        ),
     )
 
 
@@ -216,7 +230,8 @@ def predict(shape: Shape, links: Links, gpus_per_node: int = 8) -> dict:
     ep_remote = spans_nodes(shape.ep, shape.etp * shape.tp, gpus_per_node)
     a2a_bw = links.nic if ep_remote else links.a2a_nvlink  # an all-to-all gets one NIC
     a2a_count = 4 * shape.moe_layers * shape.micro_batches
-    a2a = a2a_count * _collective_ms(per_a2a, shape.ep, a2a_bw)
+    each = _collective_ms(per_a2a, shape.ep, a2a_bw)
+    a2a = a2a_count * each
 
     dense_stride, expert_stride = shape.tp * shape.cp, shape.ep * shape.etp
     dense_remote = spans_nodes(shape.dp, dense_stride, gpus_per_node)
@@ -224,6 +239,8 @@ def predict(shape: Shape, links: Links, gpus_per_node: int = 8) -> dict:
     dense_bw = group_bandwidth(shape.dp, dense_stride, gpus_per_node, links)
     expert_bw = group_bandwidth(shape.expert_dp, expert_stride, gpus_per_node, links)
     out = {"a2a_ms": a2a, "a2a_count": a2a_count, "a2a_mb_each": per_a2a / 1e6}
+    out.update(a2a_each_ms=each, a2a_chunks=shape.a2a_chunks, expert_flops=shape.expert_flops)
+    out["a2a_layer_passes"] = shape.moe_layers * shape.micro_batches
     out["a2a_link"] = "IB" if ep_remote else "NVLink"
     out["dp_link"] = "IB" if dense_remote else "NVLink"
     out["expert_dp_link"] = "IB" if expert_remote else "NVLink"
@@ -240,15 +257,48 @@ def predict(shape: Shape, links: Links, gpus_per_node: int = 8) -> dict:
     return out
 
 
+def pipeline_ms(dispatch: float, combine: float, experts: float, chunks: int) -> float:
+    """One MoE layer's dispatch, experts and combine in ``chunks`` chunks: the all-to-alls in
+    order on one stream (dispatch 0, dispatch 1, combine 0, dispatch 2, combine 1, ...), each
+    chunk's experts on the other once its dispatch has arrived, each combine once its experts are
+    done. Returns the time to the last combine; with one chunk ``dispatch + experts + combine``."""
+    d, c, e = dispatch / chunks, combine / chunks, experts / chunks
+    comm, main, arrived = d, 0.0, [d]
+    for k in range(chunks):
+        if k + 1 < chunks:
+            comm += d
+            arrived.append(comm)
+        main = max(main, arrived[k]) + e
+        comm = max(comm, main) + c
+    return comm
+
+
+def chunked_exposed_ms(prediction: dict, tflops: float) -> float:
+    """The all-to-all time left on the step with ``--moe-static-dispatch-chunks``: per MoE layer and
+    micro-batch, the forward schedule of :func:`pipeline_ms` and the backward's mirror image (the
+    combine gradients first; the experts' backward twice their forward), minus the experts' time,
+    which is their FLOPs at ``tflops``."""
+    chunks = prediction.get("a2a_chunks", 1)
+    if chunks <= 1 or not prediction.get("expert_flops") or tflops <= 0:
+        return prediction["a2a_ms"]
+    each = prediction["a2a_each_ms"]
+    forward = prediction["expert_flops"] / (tflops * 1e9)  # ms
+    exposed = pipeline_ms(each, each, forward, chunks) - forward
+    exposed += pipeline_ms(each, each, 2 * forward, chunks) - 2 * forward
+    return exposed * prediction["a2a_layer_passes"]
+
+
 def with_compute(prediction: dict, step_ms: float, fwd_bwd_ms: float | None, tflops: float) -> dict:
-    """The predicted step: the emulated step plus the all-to-all, plus the data-parallel traffic
-    either all exposed or hidden behind forward and backward up to their length; TFLOP/s per GPU
-    of each from the emulated run's FLOPs."""
+    """The predicted step: the emulated step plus the all-to-all (what chunks leave of it), plus
+    the data-parallel traffic either all exposed or hidden behind forward and backward up to their
+    length; TFLOP/s per GPU of each from the emulated run's FLOPs."""
     flops = tflops * step_ms  # per GPU, in TFLOP x ms
-    exposed = prediction["a2a_ms"] + prediction["dp_ms"]
+    a2a = chunked_exposed_ms(prediction, tflops)
+    exposed = a2a + prediction["dp_ms"]
     hidden_up_to = fwd_bwd_ms if fwd_bwd_ms else step_ms
-    overlapped = prediction["a2a_ms"] + max(0.0, prediction["dp_ms"] - hidden_up_to)
+    overlapped = a2a + max(0.0, prediction["dp_ms"] - hidden_up_to)
     return {
+        "a2a_exposed_ms": a2a,
         "step_exposed_ms": step_ms + exposed,
         "step_overlapped_ms": step_ms + overlapped,
         "tflops_exposed": flops / (step_ms + exposed),

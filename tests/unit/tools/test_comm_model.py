@@ -99,3 +99,36 @@ def test_the_static_dispatch_sends_its_capacity_padded_slots():
     got = comm_model.predict(lower, LINKS)
     assert got["a2a_ms"] == pytest.approx(1.25 * dynamic["a2a_ms"])
     assert got["grad_ms"] == pytest.approx(dynamic["grad_ms"])  # data-parallel traffic unchanged
+
+
+def test_a_chunked_layer_exposes_what_its_experts_cannot_cover():
+    # one chunk: dispatch, experts and combine one after the other
+    assert comm_model.pipeline_ms(1.0, 1.0, 3.0, 1) == 5.0
+    # experts longer than a chunk's all-to-all: only the first dispatch and the last combine wait
+    assert comm_model.pipeline_ms(1.0, 1.0, 10.0, 2) == pytest.approx(0.5 + 10.0 + 0.5)
+    assert comm_model.pipeline_ms(1.0, 1.0, 10.0, 4) == pytest.approx(0.25 + 10.0 + 0.25)
+    # no compute to hide behind: the all-to-alls in full
+    assert comm_model.pipeline_ms(1.0, 1.0, 0.0, 4) == pytest.approx(2.0)
+    # short experts (forward of 1 ms, 2 chunks): dispatch 0 | dispatch 1 + experts 0 |
+    # combine 0 + experts 1 | combine 1 -> 0.5 + 0.5 + 0.5 + 0.5
+    assert comm_model.pipeline_ms(1.0, 1.0, 1.0, 2) == pytest.approx(2.0)
+
+
+def test_chunks_leave_part_of_the_all_to_all_on_the_step():
+    flags = ("--use-distributed-optimizer", "--global-batch-size", "32", "--moe-static-dispatch")
+    whole = comm_model.predict(comm_model.shape_of(qwen3(*flags), 32), LINKS)
+    shape = comm_model.shape_of(qwen3(*flags, "--moe-static-dispatch-chunks", "2"), 32)
+    assert shape.a2a_chunks == 2
+    # 4096 tokens x top-8 x (2048 x 1536 + 768 x 2048) multiply-adds, two FLOPs each
+    assert shape.expert_flops == 4096 * 8 * 2 * 2048 * 768 * 3
+    chunked = comm_model.predict(shape, LINKS)
+    assert chunked["a2a_ms"] == pytest.approx(whole["a2a_ms"])  # the same bytes
+    fast = comm_model.with_compute(chunked, step_ms=300.0, fwd_bwd_ms=280.0, tflops=300.0)
+    slow = comm_model.with_compute(chunked, step_ms=300.0, fwd_bwd_ms=280.0, tflops=1e-3)
+    assert comm_model.with_compute(whole, 300.0, 280.0, 300.0)["a2a_exposed_ms"] == whole["a2a_ms"]
+    assert 0 < fast["a2a_exposed_ms"] < chunked["a2a_ms"]
+    # experts that take long enough hide all but the first dispatch and the last combine
+    assert slow["a2a_exposed_ms"] == pytest.approx(chunked["a2a_ms"] / 2)
+    # without the static dispatch the flag does nothing
+    plain = comm_model.shape_of(qwen3(flags[0], "--moe-static-dispatch-chunks", "2"), 32)
+    assert plain.a2a_chunks == 1
