@@ -258,26 +258,28 @@ def predict(shape: Shape, links: Links, gpus_per_node: int = 8) -> dict:
 
 
 def pipeline_ms(dispatch: float, combine: float, experts: float, chunks: int) -> float:
-    """One MoE layer's dispatch, experts and combine in ``chunks`` chunks: the all-to-alls in
-    order on one stream (dispatch 0, dispatch 1, combine 0, dispatch 2, combine 1, ...), each
-    chunk's experts on the other once its dispatch has arrived, each combine once its experts are
-    done. Returns the time to the last combine; with one chunk ``dispatch + experts + combine``."""
+    """One MoE layer's dispatch, experts and combine in ``chunks`` chunks, as
+    ``--moe-static-dispatch-chunks`` issues them: the all-to-alls in order on one stream (every
+    chunk's dispatch, then every chunk's combine), each chunk's experts on the other once its
+    dispatch has arrived, each combine once its chunk's experts are done. Returns the time to the
+    last combine; with one chunk ``dispatch + experts + combine``."""
     d, c, e = dispatch / chunks, combine / chunks, experts / chunks
-    comm, main, arrived = d, 0.0, [d]
+    comm, main, done = 0.0, 0.0, []
+    for _ in range(chunks):
+        comm += d
+        main = max(main, comm) + e
+        done.append(main)
     for k in range(chunks):
-        if k + 1 < chunks:
-            comm += d
-            arrived.append(comm)
-        main = max(main, arrived[k]) + e
-        comm = max(comm, main) + c
+        comm = max(comm, done[k]) + c
     return comm
 
 
 def chunked_exposed_ms(prediction: dict, tflops: float) -> float:
     """The all-to-all time left on the step with ``--moe-static-dispatch-chunks``: per MoE layer and
-    micro-batch, the forward schedule of :func:`pipeline_ms` and the backward's mirror image (the
-    combine gradients first; the experts' backward twice their forward), minus the experts' time,
-    which is their FLOPs at ``tflops``."""
+    micro-batch, the forward schedule of :func:`pipeline_ms` and the backward's mirror image (every
+    combine gradient first, each dispatch gradient after its chunk's experts; the experts'
+    backward twice their forward), minus the experts' time, which is their FLOPs at
+    ``tflops``."""
     chunks = prediction.get("a2a_chunks", 1)
     if chunks <= 1 or not prediction.get("expert_flops") or tflops <= 0:
         return prediction["a2a_ms"]

@@ -112,6 +112,9 @@ def test_a_chunked_layer_exposes_what_its_experts_cannot_cover():
     # short experts (forward of 1 ms, 2 chunks): dispatch 0 | dispatch 1 + experts 0 |
     # combine 0 + experts 1 | combine 1 -> 0.5 + 0.5 + 0.5 + 0.5
     assert comm_model.pipeline_ms(1.0, 1.0, 1.0, 2) == pytest.approx(2.0)
+    # 4 chunks, experts 2 ms: the dispatches end at 1.0, the experts at 0.25 + 2.0, the combines
+    # follow the experts of their chunk (0.75, 1.25, 1.75, 2.25 + 0.25 each) -> 2.5
+    assert comm_model.pipeline_ms(1.0, 1.0, 2.0, 4) == pytest.approx(2.5)
 
 
 def test_chunks_leave_part_of_the_all_to_all_on_the_step():

@@ -8,22 +8,28 @@ as megatron's), then splits them along the sequence into ``N`` chunks, each with
 its own (a shallow copy: the dispatcher keeps per-call state), and runs
 
 * the permutation of every chunk, on the current stream;
-* each chunk's dispatch and combine all-to-alls on a side stream, in the order dispatch 0,
-  dispatch 1, combine 0, dispatch 2, combine 1, ..., combine N-1;
-* each chunk's experts on the current stream once its dispatch has arrived.
+* the dispatch all-to-alls of chunks 0 ... N-1, then their combine all-to-alls, on a side stream;
+* each chunk's experts on the current stream once its dispatch has arrived; each combine waits
+  for its chunk's experts.
 
-So the dispatch of chunk ``k + 1`` and the combine of chunk ``k`` move rows while the experts of
-chunk ``k`` and ``k + 1`` compute; only the first dispatch and the last combine wait for the
-network. The backward pass runs each operation on the stream of its forward (autograd's stream
-semantics), the mirror image: the combine gradients of the last chunks and the dispatch gradients
-of the first overlap the experts' backward. Event waits order the two streams; a CUDA graph
-captures them as parallel branches. On the CPU both streams are the host, in the same order.
+So while the experts compute chunk ``k``, the side stream moves the rows of the chunks after it
+(dispatch) or before it (combine); only the first dispatch and the last combine wait for the
+network. In the backward pass autograd issues every combine gradient first, then each chunk's
+experts and right after them its dispatch gradient: the combine gradients of the earlier chunks
+and the dispatch gradients of the later ones overlap the experts' backward. A CUDA graph
+captures the two streams as parallel branches; on the CPU both are the host, in the same order.
+
+For autograd each all-to-all is one node of the current stream (:func:`functions`); the node
+runs it on the side stream and the identities around it carry the event waits. So the engine
+moves no tensor between streams: where it does, it calls ``record_stream``, and the caching
+allocator then keeps every such block until a CUDA graph capture ends (a first version that left
+the crossings to autograd ran out of device memory while the full-iteration graph of a 48-layer
+model at 8 micro-batches was captured). Tensors read across streams
+stay referenced until the reading stream's work is waited for.
 
 Every token's rows meet the same expert weights as without chunks; what differs is the order in
 which the expert weight gradients are summed (chunk by chunk) and the capacity, which applies per
-chunk (``ceil(F x tokens / N x top-k / EP)`` rows per peer). Tensors that cross streams stay
-referenced until the current stream has waited for the side stream, so the caching allocator
-cannot hand their memory to the other stream early.
+chunk (``ceil(F x tokens / N x top-k / EP)`` rows per peer).
 """
 
 from __future__ import annotations
@@ -103,11 +109,6 @@ class Streams:
         if self.side is not None and event is not None:
             self.main.wait_event(event)
 
-    def join(self) -> None:
-        """The current stream waits for everything issued on the side stream."""
-        if self.side is not None:
-            self.main.wait_stream(self.side)
-
 
 @contextlib.contextmanager
 def using(layer, dispatcher):
@@ -129,9 +130,95 @@ def chunk_dispatchers(layer, chunks: int) -> list:
     return held
 
 
+class Link:
+    """One all-to-all of one chunk: the side-stream event its consumers wait for, and the
+    gradients it reads in the backward pass, held until the current stream has waited for it."""
+
+    __slots__ = ("done", "held")
+
+    def __init__(self):
+        self.done = None
+        self.held = None
+
+
+def _exchange_function():
+    import torch
+
+    class Exchange(torch.autograd.Function):
+        """An all-to-all stage (``stage``: the layer's dispatch or combine) on the side stream.
+
+        For autograd it is a node of the current stream, so the engine moves no tensor between
+        streams (its cross-stream ``record_stream`` would hold every such block until a CUDA
+        graph capture ends); the stream crossings are :class:`Before` and :class:`After`. The
+        backward pass runs the same stage on the gradients (the static all-to-all has equal
+        splits, so it is its own transpose), after what the current stream has issued."""
+
+        @staticmethod
+        def forward(ctx, link, streams, stage, after, *tensors):
+            ctx.link, ctx.streams, ctx.stage = link, streams, stage
+            with streams.on_side(after=after), torch.no_grad():
+                outputs = tuple(stage(*tensors))
+            link.done = streams.mark(on_side=True)
+            ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
+            return outputs
+
+        @staticmethod
+        def backward(ctx, *grads):
+            link, streams = ctx.link, ctx.streams
+            grads = tuple(
+                torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                for g, (shape, dtype, device) in zip(grads, ctx.shapes)
+            )
+            with streams.on_side(after=streams.mark()), torch.no_grad():
+                inputs = tuple(ctx.stage(*grads))
+            link.done = streams.mark(on_side=True)
+            link.held = grads  # read on the side stream: kept until Before's backward
+            return (None, None, None, None, *inputs)
+
+    class Before(torch.autograd.Function):
+        """Identity before an all-to-all; backward: the current stream waits for that
+        all-to-all's backward, whose results it passes on."""
+
+        @staticmethod
+        def forward(ctx, link, streams, *tensors):
+            ctx.link, ctx.streams = link, streams
+            return tuple(t.view_as(t) for t in tensors)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            ctx.streams.main_waits(ctx.link.done)
+            ctx.link.held = None
+            return (None, None, *grads)
+
+    class After(torch.autograd.Function):
+        """Identity after an all-to-all: the current stream waits for it; backward: identity."""
+
+        @staticmethod
+        def forward(ctx, link, streams, *tensors):
+            streams.main_waits(link.done)
+            return tuple(t.view_as(t) for t in tensors)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (None, None, *grads)
+
+    return Exchange, Before, After
+
+
+@functools.cache
+def functions():
+    return _exchange_function()
+
+
 def chunked_forward(layer, hidden_states, padding_mask, chunks: int):
     """megatron's MoE layer forward (route, dispatch, experts, combine, postprocess) in ``chunks``
-    sequence chunks, the all-to-alls on the side stream. Returns ``(output, None)``."""
+    sequence chunks, the all-to-alls on the side stream. Returns ``(output, None)``.
+
+    Issue order: the permutation of every chunk; then per chunk its dispatch (side stream, after
+    the permutations) and its experts (once that dispatch has arrived); then the combines (each
+    after its chunk's experts). The side stream thus runs dispatch 0 ... N-1, then combine
+    0 ... N-1. The order also sets autograd's: the backward pass issues every combine gradient
+    first, then each chunk's experts and, right after them, its dispatch gradient."""
     import torch
 
     seq = hidden_states.size(0)
@@ -148,40 +235,48 @@ def chunked_forward(layer, hidden_states, padding_mask, chunks: int):
     dispatchers = chunk_dispatchers(layer, chunks)
     streams = Streams(hidden_states.device)
     announce(chunks, step, streams.side is not None)
+    exchange_fn, before, after = functions()
 
+    def stage(dispatcher, method):
+        def run(*tensors):
+            with using(layer, dispatcher):
+                out = getattr(layer, method)(*tensors)
+            return out if isinstance(out, tuple) else (out,)
+
+        return run
+
+    # Every tensor one stream reads from the other stays referenced until this function returns,
+    # after the current stream has waited for every all-to-all (After): the caching allocator
+    # cannot give its block to the other stream while it is still being read.
+    links = [Link() for _ in range(chunks)]
     inputs = []
     for k, dispatcher in enumerate(dispatchers):
         part = slice(k * rows, (k + 1) * rows)
         with using(layer, dispatcher):
-            inputs.append(
-                layer.preprocess(
-                    hidden_states[k * step : (k + 1) * step], probs[part], routing_map[part]
-                )
+            permuted = layer.preprocess(
+                hidden_states[k * step : (k + 1) * step], probs[part], routing_map[part]
             )
-    permuted = streams.mark()
+        inputs.append(before.apply(links[k], streams, *permuted))
+    permuted_all = streams.mark()
 
-    dispatched, arrived, combined, outputs = [None] * chunks, [None] * chunks, [], []
-
-    def dispatch(k):
-        with streams.on_side(after=permuted), using(layer, dispatchers[k]):
-            dispatched[k] = layer.dispatch(*inputs[k])
-            arrived[k] = streams.mark(on_side=True)
-
-    dispatch(0)
+    arrived, outputs = [], []
     for k, dispatcher in enumerate(dispatchers):
-        if k + 1 < chunks:
-            dispatch(k + 1)
-        streams.main_waits(arrived[k])
+        out = exchange_fn.apply(
+            links[k], streams, stage(dispatcher, "dispatch"), permuted_all, *inputs[k]
+        )
+        arrived.append(after.apply(links[k], streams, *out))
         with using(layer, dispatcher):
-            output, bias = layer.routed_experts_compute(*dispatched[k])
+            output, bias = layer.routed_experts_compute(*arrived[k])
         if bias is not None:
             raise PatchsetError(f"{flags.CHUNKS_FLAG}: the experts return a bias; drop the flag")
-        outputs.append(output)  # held until the join: the side stream reads it
-        with streams.on_side(after=streams.mark()), using(layer, dispatcher):
-            combined.append(layer.combine(output))
-    streams.join()
+        link = Link()
+        (output,) = before.apply(link, streams, output)
+        outputs.append((link, output, streams.mark()))
 
-    results = []
+    combined, results = [], []
+    for (link, output, computed), dispatcher in zip(outputs, dispatchers):
+        out = exchange_fn.apply(link, streams, stage(dispatcher, "combine"), computed, output)
+        combined.append(after.apply(link, streams, *out)[0])
     for k, dispatcher in enumerate(dispatchers):
         part = None if shared is None else shared[k * step : (k + 1) * step]
         with using(layer, dispatcher):
