@@ -9,24 +9,17 @@ side stream beside the experts of another chunk.
 
 import pytest
 
-from tests.gpu.conftest import (
-    assert_same_bits,
-    assert_trains_alike,
-    gpu_count,
-    launch_many,
-    tiny_argv,
-)
+from tests.gpu.conftest import assert_same_bits
 from tests.gpu.features.static_dispatch.test_static_dispatch import (
-    BASE,
     CAPTURED,
     DETERMINISTIC,
     EP2,
     FULL_GRAPH,
-    GRAD_NORM_RTOL,
-    LOSS_ATOL,
-    NO_DROPOUT,
     RERUN,
     STATIC,
+    close,
+    launch_runs,
+    needs,
 )
 
 pytestmark = pytest.mark.gpu
@@ -48,36 +41,14 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("static_dispatch_chunks")
-    jobs = [
-        dict(
-            tmp_path=tmp,
-            name=name,
-            nproc=nproc,
-            argv=tiny_argv("--train-iters", str(ITERS), *NO_DROPOUT, *BASE, *flags),
-        )
-        for name, (nproc, flags) in RUNS.items()
-        if gpu_count() >= nproc
-    ]
-    return launch_many(jobs)
-
-
-def needs(n):
-    if gpu_count() < n:
-        pytest.skip(f"needs {n} GPUs")
-
-
-def close(ours, reference, label):
-    assert_trains_alike(
-        ours, reference, label, iters=ITERS, loss_atol=LOSS_ATOL, grad_norm_rtol=GRAD_NORM_RTOL
-    )
+    return launch_runs(tmp_path_factory.mktemp("static_dispatch_chunks"), RUNS, ITERS)
 
 
 @pytest.mark.gpus(1)
 def test_chunks_train_like_the_whole_layer(runs):
     needs(1)
     assert ANNOUNCED in runs["chunks_1gpu"].log_text()
-    close(runs["chunks_1gpu"], runs["static_1gpu"], "2 chunks vs whole layers, EP=1")
+    close(runs["chunks_1gpu"], runs["static_1gpu"], "2 chunks vs whole layers, EP=1", ITERS)
 
 
 @pytest.mark.gpus(1)
@@ -91,7 +62,7 @@ def test_chunked_full_iteration_graph_replays_the_eager_step_bitwise(runs):
 @pytest.mark.gpus(2)
 def test_chunks_train_like_the_whole_layer_at_ep2(runs):
     needs(2)
-    close(runs["chunks_ep2"], runs["static_ep2"], "2 chunks vs whole layers, EP=2")
+    close(runs["chunks_ep2"], runs["static_ep2"], "2 chunks vs whole layers, EP=2", ITERS)
 
 
 @pytest.mark.gpus(2)

@@ -73,20 +73,25 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("static_dispatch")
+def launch_runs(tmp, runs, iters):
+    """Every run of ``runs`` (name: (GPUs, flags)) that this machine has the GPUs for, on the tiny
+    config for ``iters`` iterations without dropout, with BASE."""
     jobs = [
         dict(
             tmp_path=tmp,
             name=name,
             nproc=nproc,
-            argv=tiny_argv("--train-iters", str(ITERS), *NO_DROPOUT, *BASE, *flags),
+            argv=tiny_argv("--train-iters", str(iters), *NO_DROPOUT, *BASE, *flags),
         )
-        for name, (nproc, flags) in RUNS.items()
+        for name, (nproc, flags) in runs.items()
         if gpu_count() >= nproc
     ]
     return launch_many(jobs)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return launch_runs(tmp_path_factory.mktemp("static_dispatch"), RUNS, ITERS)
 
 
 def needs(n):
@@ -94,9 +99,9 @@ def needs(n):
         pytest.skip(f"needs {n} GPUs")
 
 
-def close(ours, reference, label):
+def close(ours, reference, label, iters=ITERS):
     assert_trains_alike(
-        ours, reference, label, iters=ITERS, loss_atol=LOSS_ATOL, grad_norm_rtol=GRAD_NORM_RTOL
+        ours, reference, label, iters=iters, loss_atol=LOSS_ATOL, grad_norm_rtol=GRAD_NORM_RTOL
     )
 
 

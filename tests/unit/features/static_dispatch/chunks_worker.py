@@ -4,14 +4,13 @@ router with its auxiliary loss) with the static dispatcher, run whole and in tok
 ``<out>.rank<r>.pt``."""
 
 import os
-import warnings
 
 import pytest
 import torch
 
-from tests.unit.features.static_dispatch.exchange import Experts
+from tests.unit.features.static_dispatch.exchange import Experts, H, moe_config
 
-H, EXPERTS, TOPK, SEQ, BATCH = 16, 4, 2, 12, 2
+EXPERTS, SEQ, BATCH = 4, 12, 2
 PATCHES = ("static_dispatch.dispatcher", "static_dispatch.chunks")
 
 
@@ -29,7 +28,6 @@ def worker(rank, world_size, port, dtype_name, chunk_counts, out):
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.patchset.core import registry
     from megatron.patchset.features.static_dispatch import flags
@@ -45,21 +43,12 @@ def worker(rank, world_size, port, dtype_name, chunk_counts, out):
         parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         local = EXPERTS // world_size
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            config = TransformerConfig(
-                num_layers=1,
-                hidden_size=H,
-                num_attention_heads=4,
-                num_moe_experts=EXPERTS,
-                moe_router_topk=TOPK,
-                moe_token_dispatcher_type="alltoall",
-                moe_router_load_balancing_type="aux_loss",
-                moe_aux_loss_coeff=1e-2,
-                use_cpu_initialization=True,
-                moe_ffn_hidden_size=H,
-                params_dtype=dtype,
-            )
+        config = moe_config(
+            EXPERTS,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=1e-2,
+            params_dtype=dtype,
+        )
         setattr(config, flags.CONFIG_ON, True)
         setattr(config, flags.CONFIG_FACTOR, 2.0)
         spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)

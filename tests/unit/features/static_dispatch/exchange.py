@@ -49,6 +49,28 @@ class Experts(torch.nn.Module):
         return torch.cat(out)
 
 
+def moe_config(experts, **extra):
+    """A one-layer MoE ``TransformerConfig`` of hidden size H, top-TOPK, the alltoall dispatcher,
+    on the CPU (megatron's warnings about the missing GPU packages silenced)."""
+    import warnings
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TransformerConfig(
+            num_layers=1,
+            hidden_size=H,
+            num_attention_heads=4,
+            num_moe_experts=experts,
+            moe_router_topk=TOPK,
+            moe_token_dispatcher_type="alltoall",
+            use_cpu_initialization=True,
+            moe_ffn_hidden_size=H,
+            **extra,
+        )
+
+
 def run_layer(dispatcher, experts, hidden, routing_map, probs, grad_out):
     h = hidden.clone().requires_grad_(True)
     p = probs.clone().requires_grad_(True)
@@ -78,7 +100,6 @@ def worker(rank, world_size, port, case, dtype_name, factor, out, emulated=None)
     activations (a real exchange among ranks that route alike); ``emulated="fake"``: this one
     process is rank ``rank`` of ``world_size`` under megatron's fake process group with the
     fork's stand-ins for the expert-parallel exchanges, on rank 0's inputs."""
-    import warnings
 
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -115,18 +136,7 @@ def worker(rank, world_size, port, case, dtype_name, factor, out, emulated=None)
             expert_model_parallel_size=ep, create_gloo_process_groups=not fake
         )
         ep_rank = parallel_state.get_expert_model_parallel_rank()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            config = TransformerConfig(
-                num_layers=1,
-                hidden_size=H,
-                num_attention_heads=4,
-                num_moe_experts=experts_total,
-                moe_router_topk=TOPK,
-                moe_token_dispatcher_type="alltoall",
-                use_cpu_initialization=True,
-                moe_ffn_hidden_size=H,
-            )
+        config = moe_config(experts_total)
         pg = ProcessGroupCollection.use_mpu_process_groups()
         indices = list(range(ep_rank * local, (ep_rank + 1) * local))
         upstream = MoEAlltoAllTokenDispatcher(local, indices, config, pg_collection=pg)
