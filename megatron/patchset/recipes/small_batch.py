@@ -74,6 +74,10 @@ def _build(k) -> r.Built:
     env = ()
     if k.memory != "max":
         env = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+    if k.graphs == "full" and k.ep > 1 and k.a2a_chunks > 1:
+        # the all-to-all stream and the experts' stream run at once only on separate hardware
+        # queues (one queue, megatron's usual CUDA_DEVICE_MAX_CONNECTIONS=1, serialises them)
+        env += (("CUDA_DEVICE_MAX_CONNECTIONS", "32"),)
     if k.memory == "moments":
         if k.graphs == "full" and k.kernels:
             flags += ["--adam-moments-dtype", "bf16"]
@@ -103,7 +107,7 @@ RECIPE = r.Recipe(
             "A2A_CHUNKS",
             1,
             "token chunks per MoE layer whose all-to-alls overlap the experts of another chunk "
-            "(EP > 1 with GRAPHS=full); 1: none",
+            "(EP > 1 with GRAPHS=full; sets CUDA_DEVICE_MAX_CONNECTIONS=32); 1: none",
         ),
         r.switch("OPTIMIZER_GRAPH", True, "the optimizer step as a CUDA graph (GRAPHS=full)"),
         r.switch(

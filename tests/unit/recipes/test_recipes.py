@@ -81,6 +81,17 @@ def test_small_batch_follows_its_knobs():
     assert "--moe-expert-splits-on-device" not in layer and "--adam-impl" not in layer
     plain = recipes.flags("small_batch", KERNELS=0, OPTIMIZER_GRAPH=0)
     assert not {"--adam-impl", "--cross-entropy-triton", "--optimizer-cuda-graph"} & set(plain)
+    assert "--moe-static-dispatch-chunks" not in at_ep8
+    chunked = recipes.get("small_batch")(EP=8, A2A_CHUNKS=2, MEMORY="80G")
+    flags = list(chunked.flags)
+    assert flags[flags.index("--moe-static-dispatch-chunks") + 1] == "2"
+    # the two streams need hardware queues of their own
+    assert dict(chunked.env) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "32",
+    }
+    assert not recipes.get("small_batch")(EP=8).env
+    assert "--moe-static-dispatch-chunks" not in recipes.flags("small_batch", A2A_CHUNKS=2)
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 
 from megatron.patchset.core.errors import PatchsetError
 from megatron.patchset.core.registry import patch
@@ -62,6 +63,14 @@ def announce(chunks: int, tokens: int, side: bool) -> None:
             f"sequence, their all-to-alls {where} ({flags.CHUNKS_FLAG} {chunks})",
             flush=True,
         )
+        if side and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            print(
+                "megatron-patchset: warning: CUDA_DEVICE_MAX_CONNECTIONS=1 gives both streams "
+                "one hardware queue, so the chunks' all-to-alls wait for the experts instead of "
+                f"overlapping them; {flags.CHUNKS_FLAG} needs more queues (export "
+                "CUDA_DEVICE_MAX_CONNECTIONS=32, as the small_batch recipe does with A2A_CHUNKS)",
+                flush=True,
+            )
 
 
 def side_stream(device):

@@ -61,3 +61,21 @@ def test_the_patch_applies_only_with_chunks_and_reverts():
     finally:
         registry.revert(["static_dispatch.chunks"])
     assert MoELayer.forward is original
+
+
+@pytest.mark.parametrize("connections, warned", [("1", True), ("32", False), (None, False)])
+def test_one_hardware_queue_is_named_at_the_first_chunked_layer(
+    monkeypatch, capsys, connections, warned
+):
+    from megatron.patchset.features.static_dispatch import chunks
+
+    if connections is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
+    monkeypatch.setattr(chunks, "_announced", set())
+    chunks.announce(2, 2048, side=True)
+    chunks.announce(2, 2048, side=True)  # once per chunk count
+    out = capsys.readouterr().out
+    assert out.count("MoE layers run in 2 token chunks of 2048 tokens") == 1
+    assert ("CUDA_DEVICE_MAX_CONNECTIONS=1 gives both streams one hardware queue" in out) is warned
