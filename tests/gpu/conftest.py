@@ -14,7 +14,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import time
 import zlib
 
@@ -211,30 +210,20 @@ class _Job:
         self.timeout, self.check = timeout, check
         self.metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
         self.log = os.path.join(str(tmp_path), f"{name}.log")
-        environ = dict(os.environ)
-        environ.update(self.env)
-        environ["MEGATRON_PATCHSET_METRICS"] = self.metrics
-        environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        import bench  # tools/bench, on pytest's pythonpath
+
         entry = entry or [os.path.join(ROOT, "pretrain_gpt.py")]
-        paths = [ROOT, environ.get("PYTHONPATH")]
+        # this checkout first, then the run's own path or the caller's
+        paths = [ROOT, self.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")]
         if entry[0] == UPSTREAM_ENTRY:  # the script's folder first, for its sibling modules
             paths.insert(0, os.path.dirname(os.path.abspath(entry[1])))
-        environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        extra = {**self.env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         if emulate is not None:  # one process as rank 0 of an `emulate`-GPU job
-            import bench  # tools/bench, on pytest's pythonpath
-
-            environ.update(bench.emulation_env(emulate, 0))
-            cmd = [sys.executable, *entry, *argv, "--fake-process-group"]
+            cmd, environ = bench.launch_spec(
+                [*entry, *argv, "--fake-process-group"], extra, self.metrics, 1, None, (emulate, 0)
+            )
         else:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={nproc}",
-                *entry,
-                *argv,
-            ]
+            cmd, environ = bench.launch_spec([*entry, *argv], extra, self.metrics, nproc)
         self.started = time.time()
         self.handle = open(self.log, "w")
         self.handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")

@@ -326,6 +326,42 @@ def emulation(opts) -> tuple[int, int] | None:
     return None if opts.emulate is None else (opts.emulate, opts.emulate_rank)
 
 
+def launch_spec(
+    entry_argv: list[str],
+    env_extra: dict,
+    metrics: str,
+    nproc: int,
+    numa_binding: str | None = None,
+    emulate: tuple[int, int] | None = None,
+) -> tuple[list[str], dict]:
+    """The command line and environment of one training run (bench.py's variants and the GPU
+    test tier's runs): ``torchrun`` on ``nproc`` GPUs, or with ``emulate`` one process as rank
+    ``emulate[1]`` of ``emulate[0]`` (``entry_argv`` carries ``--fake-process-group``); the fork's
+    metrics go to ``metrics``; ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment or
+    ``env_extra`` sets it."""
+    env = dict(os.environ)
+    env.update(env_extra)
+    env["MEGATRON_PATCHSET_METRICS"] = metrics
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # The run's own PYTHONPATH (Megatron-LM's folder for its pretrain_gpt.py), this checkout, then
+    # the caller's.
+    paths = (env_extra.get("PYTHONPATH"), ROOT, os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    if emulate is not None:  # one process, rank emulate[1] of emulate[0]: no torchrun
+        env.update(emulation_env(*emulate))
+        return [sys.executable, *entry_argv], env
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *([f"--numa-binding={numa_binding}"] if numa_binding else []),
+        *entry_argv,
+    ]
+    return cmd, env
+
+
 def run_variant(
     name,
     entry_argv,
@@ -339,27 +375,7 @@ def run_variant(
     metrics, log = variant_files(out_dir, name)
     if os.path.exists(metrics):
         os.remove(metrics)
-    env = dict(os.environ)
-    env.update(env_extra)
-    env["MEGATRON_PATCHSET_METRICS"] = metrics
-    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    # The variant's own PYTHONPATH (Megatron-LM's folder for --upstream-script), this checkout,
-    # then the caller's.
-    paths = (env_extra.get("PYTHONPATH"), ROOT, os.environ.get("PYTHONPATH"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    if emulate is not None:  # one process, rank emulate[1] of emulate[0]: no torchrun
-        env.update(emulation_env(*emulate))
-        cmd = [sys.executable, *entry_argv]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *([f"--numa-binding={numa_binding}"] if numa_binding else []),
-            *entry_argv,
-        ]
+    cmd, env = launch_spec(entry_argv, env_extra, metrics, nproc, numa_binding, emulate)
     with open(log, "w") as handle:
         handle.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         handle.flush()

@@ -96,3 +96,43 @@ def test_part_numbers_for_a_table_and_for_any_other_count():
 def test_the_script_refuses_a_part_that_is_not_n_of_m():
     done = subprocess.run(["bash", SCRIPT, "--part", "two"], capture_output=True, text=True)
     assert done.returncode == 2 and "--part takes N/M" in done.stderr
+
+
+PROBE = """import json, os, sys
+keys = ("WORLD_SIZE", "RANK", "CUDA_DEVICE_MAX_CONNECTIONS", "PYTHONPATH", "TORCHELASTIC_RUN_ID")
+seen = {"argv": sys.argv[1:], **{k: os.environ.get(k) for k in keys}}
+with open(os.environ["MEGATRON_PATCHSET_METRICS"], "a") as handle:
+    handle.write(json.dumps(seen) + "\\n")
+"""
+
+
+@pytest.mark.parametrize("emulate", [None, 4])
+def test_a_job_runs_its_entry_as_bench_launches_a_variant(tmp_path, monkeypatch, emulate):
+    """The GPU tier's runs start through bench.py's launch_spec: torchrun, or with ``emulate`` one
+    process as rank 0 of that world under the fake process group; the checkout first on the path,
+    the metrics file in the environment, one hardware queue unless the run's env asks for more."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    job = gpu._Job(
+        tmp_path,
+        "probe",
+        1,
+        ["--x", "1"],
+        entry=[str(probe)],
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"} if emulate else {},
+        timeout=120,
+        emulate=emulate,
+    )
+    (seen,) = job.finish().records
+    assert seen["PYTHONPATH"].split(os.pathsep)[0] == ROOT
+    if emulate:
+        assert seen["argv"] == ["--x", "1", "--fake-process-group"]
+        assert (seen["WORLD_SIZE"], seen["RANK"]) == ("4", "0")
+        assert seen["TORCHELASTIC_RUN_ID"] is None  # no torchrun
+        assert seen["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    else:
+        assert seen["argv"] == ["--x", "1"]
+        assert (seen["WORLD_SIZE"], seen["RANK"]) == ("1", "0")
+        assert seen["TORCHELASTIC_RUN_ID"] is not None
+        assert seen["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
