@@ -22,9 +22,9 @@ captures the two streams as parallel branches; on the CPU both are the host, in 
 For autograd each all-to-all is one node of the current stream (:func:`functions`); the node
 runs it on the side stream and the identities around it carry the event waits. So the engine
 moves no tensor between streams: where it does, it calls ``record_stream``, and the caching
-allocator then keeps every such block until a CUDA graph capture ends (a first version that left
-the crossings to autograd ran out of device memory while the full-iteration graph of a 48-layer
-model at 8 micro-batches was captured). Tensors read across streams
+allocator then keeps every such block until a CUDA graph capture ends (with the crossings left
+to autograd, capturing the full-iteration graph of a 48-layer model at 8 micro-batches ran out
+of device memory on one H200). Tensors read across streams
 stay referenced until the reading stream's work is waited for.
 
 Every token's rows meet the same expert weights as without chunks; what differs is the order in
