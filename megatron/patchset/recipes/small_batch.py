@@ -1,14 +1,15 @@
 """The small-micro-batch recipe: MoE training out of the host-overhead regime.
 
 The experts run as one grouped GEMM each for forward, dgrad and wgrad with the per-expert token
-counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slots (``--moe-static-
-dispatch``; ``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose all-to-alls overlap
-the experts of another chunk). With ``GRAPHS=full`` megatron replays the whole forward and backward
-as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer step as a second
-(``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the Triton cross entropy.
-DDP's ``1 / data-parallel size`` is applied to the loss gradient instead of the whole gradient
-buffer (``--ddp-scale-grads-in-loss``). Megatron's NaN check and its level-1/2 timers synchronise
-inside the step, so they are off under the capture (the fork's rules refuse them otherwise).
+counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slots
+(``--moe-static-dispatch``; ``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose
+all-to-alls overlap the experts of another chunk). With ``GRAPHS=full`` megatron replays the whole
+forward and backward as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer
+step as a second (``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the
+Triton cross entropy. DDP's ``1 / data-parallel size`` is applied to the loss gradient instead of
+the whole gradient buffer (``--ddp-scale-grads-in-loss``). Megatron's NaN check and its level-1/2
+timers synchronise inside the step, so they are off under the capture (the fork's rules refuse them
+otherwise).
 
 ``MEMORY`` trades a little speed for memory. ``MEMORY=<N>G`` names the GPU's memory (``80G`` for
 an 80 GB H100, ``141G`` for an H200) and passes ``--memory-budget``: after megatron's argument
