@@ -7,7 +7,12 @@ every collective skipped. This module adds the collectives back as bytes over li
   forward pass and both again in the backward pass, each moving ``tokens x top-k x hidden`` bf16
   values of which ``(EP - 1) / EP`` leave the GPU; the static-shape dispatch
   (``--moe-static-dispatch``) sends fixed slots of its capacity, ``factor`` times as many rows
-  (``--moe-static-dispatch-capacity-factor``, default 2);
+  (``--moe-static-dispatch-capacity-factor``, default 2); with ``--moe-static-dispatch-dedup`` it
+  sends each token once per peer that hosts one of its experts, in slots of ``factor x tokens x
+  share`` per peer (``share``: the fraction of tokens a peer hosts an expert of under uniform
+  routing, 0.667 for 128 experts, top-8, EP 8), and beside each token its routing among that
+  peer's experts (``L`` fp32 probabilities and ``L`` bytes of routing map forward, ``L`` fp32
+  gradients backward);
 * **data-parallel gradient reduction**: with the distributed optimizer a reduce-scatter of the
   gradients (fp32 when megatron accumulates them in fp32, as it does for bf16) and an all-gather
   of the bf16 parameters, for the dense parameters over the data-parallel group and for the
@@ -38,6 +43,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+
+from megatron.patchset.features.static_dispatch.plan import token_share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +140,24 @@ def _parser() -> argparse.ArgumentParser:
         "--accumulate-allreduce-grads-in-fp32",
         "--qk-layernorm",
         "--moe-static-dispatch",
+        "--moe-static-dispatch-dedup",
     ):
         p.add_argument(flag, action="store_true")
     return p
+
+
+def rows_factor(a: argparse.Namespace, experts: int, ep: int, hidden: int) -> float:
+    """Bytes an all-to-all moves, in units of megatron's (``tokens x top-k`` bf16 rows): the static
+    dispatch's capacity, or with one row per token and peer its token slots and their routing
+    (averaged over the four all-to-alls: ``9 L`` bytes per slot for ``2 hidden`` of the row)."""
+    if not a.moe_static_dispatch:
+        return 1.0
+    factor = a.moe_static_dispatch_capacity_factor
+    if not (a.moe_static_dispatch_dedup and experts):
+        return factor
+    local = experts // ep
+    slots = ep * factor * token_share(experts, a.moe_router_topk, ep)
+    return slots / a.moe_router_topk * (1 + 9 * local / (4 * 2 * hidden))
 
 
 def shape_of(argv: list[str], world: int) -> Shape:
@@ -191,7 +213,7 @@ def shape_of(argv: list[str], world: int) -> Shape:
         distributed_optimizer=a.use_distributed_optimizer,
         # megatron accumulates and reduces bf16 gradients in fp32
         grad_bytes=4 if (a.bf16 or a.accumulate_allreduce_grads_in_fp32) else 2,
-        a2a_rows_factor=a.moe_static_dispatch_capacity_factor if a.moe_static_dispatch else 1.0,
+        a2a_rows_factor=rows_factor(a, experts, ep, h),
         a2a_chunks=a.moe_static_dispatch_chunks if a.moe_static_dispatch else 1,
         # routed rows x (fc1: h -> gated x ffn, fc2: ffn -> h), two FLOPs per multiply-add
         expert_flops=(

@@ -2,8 +2,9 @@
 
 The experts run as one grouped GEMM each for forward, dgrad and wgrad with the per-expert token
 counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slots
-(``--moe-static-dispatch``; ``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose
-all-to-alls overlap the experts of another chunk). With ``GRAPHS=full`` megatron replays the whole
+(``--moe-static-dispatch``; ``DEDUP=1`` sends a token once to each peer that hosts one of its
+experts; ``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose all-to-alls overlap the
+experts of another chunk). With ``GRAPHS=full`` megatron replays the whole
 forward and backward as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer
 step as a second (``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the
 Triton cross entropy. DDP's ``1 / data-parallel size`` is applied to the loss gradient instead of
@@ -64,6 +65,8 @@ def _build(k) -> r.Built:
             flags += ["--moe-static-dispatch-capacity-factor", f"{k.capacity_factor:g}"]
             if k.a2a_chunks > 1:
                 flags += ["--moe-static-dispatch-chunks", str(k.a2a_chunks)]
+            if k.dedup:
+                flags += ["--moe-static-dispatch-dedup"]
         flags += ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2"]
         flags += ["--no-check-for-nan-in-loss-and-grad", "--timing-log-level", "0"]
         if k.optimizer_graph:
@@ -109,6 +112,12 @@ RECIPE = r.Recipe(
             1,
             "token chunks per MoE layer whose all-to-alls overlap the experts of another chunk "
             "(EP > 1 with GRAPHS=full; sets CUDA_DEVICE_MAX_CONNECTIONS=32); 1: none",
+        ),
+        r.switch(
+            "DEDUP",
+            False,
+            "each token crosses to an expert-parallel peer once, not once per expert it picked "
+            "there (EP > 1 with GRAPHS=full)",
         ),
         r.switch("OPTIMIZER_GRAPH", True, "the optimizer step as a CUDA graph (GRAPHS=full)"),
         r.switch(

@@ -3,6 +3,7 @@ skipped collective, which link carries it, and the step it predicts."""
 
 import contextlib
 import io
+import math
 import os
 
 import comm_model
@@ -99,6 +100,24 @@ def test_the_static_dispatch_sends_its_capacity_padded_slots():
     got = comm_model.predict(lower, LINKS)
     assert got["a2a_ms"] == pytest.approx(1.25 * dynamic["a2a_ms"])
     assert got["grad_ms"] == pytest.approx(dynamic["grad_ms"])  # data-parallel traffic unchanged
+
+
+def test_one_row_per_token_and_peer_sends_two_thirds_of_the_slots():
+    """Qwen3-30B-A3B at EP 8 (128 experts, top-8, 16 a rank): a token reaches 5.34 ranks on
+    average, so the slots are 1.25 x 5.34 / 8 of megatron's rows, plus the routing beside them
+    (16 fp32 probabilities and 16 map bytes forward, 16 fp32 gradients backward, per slot)."""
+    flags = ("--use-distributed-optimizer", "--global-batch-size", "256")
+    flags += ("--expert-model-parallel-size", "8", "--moe-static-dispatch")
+    flags += ("--moe-static-dispatch-capacity-factor", "1.25")
+    rows = comm_model.shape_of(qwen3(*flags), 32)
+    tokens = comm_model.shape_of(qwen3(*flags, "--moe-static-dispatch-dedup"), 32)
+    share = 1 - math.comb(112, 8) / math.comb(128, 8)
+    routing = 1 + (16 * 5 + 16 * 4) / 4 / (2 * 2048)
+    assert tokens.a2a_rows_factor == pytest.approx(1.25 * 8 * share / 8 * routing)
+    assert 0.84 < tokens.a2a_rows_factor < 0.85 and rows.a2a_rows_factor == 1.25
+    assert comm_model.predict(tokens, LINKS)["a2a_ms"] == pytest.approx(
+        comm_model.predict(rows, LINKS)["a2a_ms"] * tokens.a2a_rows_factor / 1.25
+    )
 
 
 def test_a_chunked_layer_exposes_what_its_experts_cannot_cover():

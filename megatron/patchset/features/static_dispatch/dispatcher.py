@@ -14,6 +14,14 @@ needs the host:
   (rows after the last expert's are zeros, and the grouped GEMMs keep them zero).
 * ``combine_preprocess`` / ``combine_postprocess``: the inverse gathers, then megatron's unpermute.
 
+With ``--moe-static-dispatch-dedup`` the exchange moves one row per (token, peer) instead of one per
+(token, expert): ``preprocess`` exchanges, beside nothing else, the ``[slots, local experts]``
+routing map of the tokens each peer will get; ``dispatch_preprocess`` gathers the tokens and their
+probabilities into the slots (megatron's permutation is not needed); ``dispatch_postprocess``
+fans each received token out to its local experts' rows, ``combine_preprocess`` sums those rows
+back into the token's slot, and ``combine_postprocess`` sums each token's rows from its peers
+(megatron's unpermutation is not needed). See the ``token_*`` plans of :mod:`.plan`.
+
 Rows that do not fit set the step's overflow flag (:mod:`.state`) and reach no expert; the step
 runner (:mod:`.runner`) re-runs such a step through megatron's own path, which this class takes
 whenever :func:`state.static` is False.
@@ -23,13 +31,14 @@ from __future__ import annotations
 
 from megatron.patchset.core.registry import patch
 from megatron.patchset.features.static_dispatch import flags, plan, state
-from megatron.patchset.features.static_dispatch.gather import gather_rows
+from megatron.patchset.features.static_dispatch.gather import gather_expand, gather_rows, gather_sum
 
 _MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
 
 
 def exchange_counts(kept, group, size: int):
-    """``received[s, l]``: rows source rank ``s`` sends to this rank's local expert ``l``."""
+    """``received[s]``: what source rank ``s`` sends to this rank (``kept`` ``[ep, ...]``, one
+    equal part per peer): the rows per local expert, or the local routing map of each slot."""
     import torch
 
     if size == 1:
@@ -61,6 +70,9 @@ def static_dispatcher(original: type) -> type:
                 and not self.drop_and_pad
             )
 
+        def _dedup(self) -> bool:
+            return bool(getattr(self.config, flags.CONFIG_DEDUP, False))
+
         def preprocess(self, routing_map):
             self._exchange = None
             if not self._static():
@@ -70,6 +82,8 @@ def static_dispatcher(original: type) -> type:
                     f"{flags.FLAG} needs expert tensor parallel size 1; this layer has "
                     f"{self.tp_size}"
                 )
+            if self._dedup():
+                return self._token_preprocess(routing_map)
             tokens, topk = routing_map.size(0), self.config.moe_router_topk
             rows = tokens * topk
             factor = getattr(self.config, flags.CONFIG_FACTOR, flags.DEFAULT_FACTOR)
@@ -85,6 +99,51 @@ def static_dispatcher(original: type) -> type:
             self._exchange = (send, received)
             return received.tokens_per_expert
 
+        def _token_preprocess(self, routing_map):
+            """One row per (token, peer): the send and receive plans, and the exchange of the
+            local routing map of every slot."""
+            import torch
+
+            tokens, topk = routing_map.size(0), self.config.moe_router_topk
+            factor = getattr(self.config, flags.CONFIG_FACTOR, flags.DEFAULT_FACTOR)
+            experts = routing_map.size(1)
+            cap = plan.token_capacity(tokens, topk, experts, self.ep_size, factor)
+            send = plan.token_send_plan(routing_map, self.ep_size, cap)
+            pairs = routing_map.reshape(tokens * self.ep_size, -1).to(torch.uint8)
+            slot_maps = gather_rows(pairs, send.slot_pairs, send.pair_slots)  # [S, L]
+            local_map = exchange_counts(slot_maps, self.ep_group, self.ep_size)
+            rows = plan.expert_rows(tokens, topk, self.ep_size, factor)
+            received = plan.token_receive_plan(local_map.bool(), rows, topk)
+            state.note_overflow(send.overflow | received.overflow)
+            self.num_out_tokens = tokens * topk
+            self.input_splits = self.output_splits = self.output_splits_tp = None
+            self._exchange = (send, received)
+            return received.tokens_per_expert
+
+        def _token_dispatch_preprocess(self, hidden_states, routing_map, probs):
+            """megatron's bookkeeping of ``dispatch_preprocess``, then each token and its
+            probabilities gathered into its peers' slots."""
+            if self.config.moe_router_padding_for_quantization:
+                raise RuntimeError(
+                    f"{flags.DEDUP_FLAG} does not pad the routing map for quantization; drop "
+                    "--moe-router-padding-for-quantization or the flag"
+                )
+            self.hidden_shape = hidden_states.shape
+            self.probs = probs
+            self.routing_map = routing_map
+            hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+            self.tokens_per_expert = self.preprocess(routing_map)
+            if self.shared_experts is not None:
+                self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+            self.hidden_shape_before_permute = hidden_states.shape
+            send = self._exchange[0]
+            tokens = hidden_states.size(0)
+            pair_probs = probs.reshape(tokens * self.ep_size, -1)
+            return (
+                gather_expand(hidden_states, send.slot_tokens, send.token_slots),
+                gather_rows(pair_probs, send.slot_pairs, send.pair_slots),
+            )
+
         def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
             if self._exchange is not None:
                 return tokens_per_expert
@@ -95,6 +154,8 @@ def static_dispatcher(original: type) -> type:
             return upstream(self, point, tokens_per_expert)
 
         def dispatch_preprocess(self, hidden_states, routing_map, probs):
+            if self._static() and self._dedup():
+                return self._token_dispatch_preprocess(hidden_states, routing_map, probs)
             tokens, probs = super().dispatch_preprocess(hidden_states, routing_map, probs)
             if self._exchange is None:
                 return tokens, probs
@@ -110,6 +171,13 @@ def static_dispatcher(original: type) -> type:
             from megatron.patchset.features.grouped_mm.linears import DeviceSplits
 
             received = self._exchange[1]
+            if self._dedup():
+                pairs = global_probs.reshape(-1)
+                return (
+                    gather_expand(global_input_tokens, received.expert_slots, received.slot_rows),
+                    DeviceSplits(received.tokens_per_expert, padded=True),
+                    gather_rows(pairs, received.expert_pairs, received.pair_rows),
+                )
             rows, slots = received.expert_rows, received.slot_expert_rows
             return (
                 gather_rows(global_input_tokens, rows, slots),
@@ -121,9 +189,19 @@ def static_dispatcher(original: type) -> type:
             if self._exchange is None:
                 return super().combine_preprocess(hidden_states)
             received = self._exchange[1]
+            if self._dedup():
+                return gather_sum(hidden_states, received.slot_rows, received.expert_slots)
             return gather_rows(hidden_states, received.slot_expert_rows, received.expert_rows)
 
         def combine_postprocess(self, permutated_local_input_tokens):
+            if self._exchange is not None and self._dedup():
+                send = self._exchange[0]
+                rows = permutated_local_input_tokens
+                output = gather_sum(rows, send.token_slots, send.slot_tokens)
+                output = output.view(self.hidden_shape)
+                if self.shared_experts is not None:
+                    output = output + self.shared_experts.get_output()
+                return output
             if self._exchange is not None:
                 send = self._exchange[0]
                 permutated_local_input_tokens = gather_rows(

@@ -84,3 +84,142 @@ def _function():
 def gather_rows(src, index, inverse):
     """Differentiable ``src[index]`` (see the module docstring)."""
     return _function().apply(src, index, inverse)
+
+
+# --- Fan-out and fan-in (``--moe-static-dispatch-dedup``) ------------------------------------
+#
+# A token sent once to a peer feeds several rows there (one per local expert it picked), and its
+# output is the sum of rows: a gather whose index repeats (fan-out) is differentiated by a sum
+# over a fan-in map ``[n_src, K]``, and a sum over a fan-in map by a gather through the owner of
+# each row. Both sums add their ``K`` rows in the map's order, in fp32 for 16-bit rows: no
+# atomics, the same bits on every run.
+
+
+@functools.cache
+def _sum_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_sum_kernel(
+        out,
+        src,
+        fanin,
+        n_out,
+        n_src,
+        row_len,
+        FAN: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BF16: tl.constexpr,
+    ):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = rows < n_out
+        in_row = cols[None, :] < row_len
+        acc = tl.full((ROWS, BLOCK), 0.0, tl.float32)
+        for k in tl.static_range(FAN):
+            taken = tl.load(fanin + rows * FAN + k, mask=inside, other=n_src).to(tl.int64)
+            valid = (taken < n_src)[:, None] & in_row
+            value = tl.load(src + taken[:, None] * row_len + cols[None, :], mask=valid, other=0)
+            acc += value.to(tl.float32)
+        where = out + rows[:, None] * row_len + cols[None, :]
+        if BF16:
+            # rounded to nearest even in integer arithmetic, so that Triton's interpreter (which
+            # truncates) rounds as the GPU and torch do
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            bits = tl.where(acc != acc, 0x7FC0, bits).to(tl.uint16)
+            tl.store(where, bits.to(tl.bfloat16, bitcast=True), mask=inside[:, None] & in_row)
+        else:
+            tl.store(where, acc, mask=inside[:, None] & in_row)
+
+    return gather_sum_kernel
+
+
+def _accumulator(dtype):
+    import torch
+
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _gather_sum(src, fanin):
+    """``out[i] = sum over k of src[fanin[i, k]]`` (rows out of range add nothing), in ``k``
+    order."""
+    import torch
+
+    rows, fan = src.shape[0], fanin.shape[1]
+    if rows == 0 or fan == 0:
+        return src.new_zeros((fanin.shape[0], *src.shape[1:]))
+    if (
+        triton_runs_on(src.device)
+        and src.is_contiguous()
+        and fanin.is_contiguous()
+        and src.dtype in (torch.bfloat16, torch.float32)
+    ):
+        import triton
+
+        out = src.new_empty((fanin.shape[0], *src.shape[1:]))
+        row_len = src[0].numel()
+        if out.numel():
+            per, block = row_block(row_len)
+            grid = (triton.cdiv(fanin.shape[0], per), triton.cdiv(row_len, block))
+            _sum_kernel()[grid](
+                out,
+                src,
+                fanin,
+                fanin.shape[0],
+                rows,
+                row_len,
+                FAN=fan,
+                ROWS=per,
+                BLOCK=block,
+                BF16=src.dtype == torch.bfloat16,
+            )
+        return out
+    acc = _accumulator(src.dtype)
+    out = src.new_zeros((fanin.shape[0], *src.shape[1:]), dtype=acc)
+    for k in range(fan):
+        out += _gather_rows(src, fanin[:, k].contiguous()).to(acc)
+    return out.to(src.dtype)
+
+
+@functools.cache
+def _fan_functions():
+    import torch
+
+    class GatherExpand(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, src, index, fanin):
+            ctx.save_for_backward(fanin)
+            return _gather_rows(src, index)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (fanin,) = ctx.saved_tensors
+            return _gather_sum(grad.contiguous(), fanin), None, None
+
+    class GatherSum(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, src, fanin, owner):
+            ctx.save_for_backward(owner)
+            return _gather_sum(src, fanin)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (owner,) = ctx.saved_tensors
+            return _gather_rows(grad.contiguous(), owner), None, None
+
+    return GatherExpand, GatherSum
+
+
+def gather_expand(src, index, fanin):
+    """Differentiable ``src[index]`` where ``index`` may repeat a row: ``fanin[r]`` lists the
+    outputs that took source row ``r`` (``len(out)`` or more where fewer did)."""
+    return _fan_functions()[0].apply(src, index, fanin)
+
+
+def gather_sum(src, fanin, owner):
+    """Differentiable ``sum over k of src[fanin[i, k]]``: ``owner[r]`` is the output that row
+    ``r`` of ``src`` adds into (``len(out)`` or more where none does)."""
+    return _fan_functions()[1].apply(src, fanin, owner)

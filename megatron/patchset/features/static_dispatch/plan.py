@@ -122,3 +122,143 @@ def receive_plan(received, cap: int) -> ReceivePlan:
     valid = j < received.sum(1)[:, None]
     slot_expert_rows = torch.where(valid, out_start[local, s] + within, slots).reshape(-1)
     return ReceivePlan(expert_rows, slot_expert_rows, tokens_per_expert)
+
+
+# --- One row per token and peer (``--moe-static-dispatch-dedup``) ---------------------------
+#
+# A token whose top-k experts sit on several experts of one peer crosses to that peer once; the
+# peer expands it to its experts' rows and sums their outputs before the combine. Notation as
+# above, plus ``T`` tokens, ``C_t`` the per-peer token capacity (:func:`token_capacity`), ``S =
+# ep x C_t`` token slots, ``R`` the expert rows a rank can take (:func:`expert_rows`) and ``K =
+# min(top-k, L)`` the most local experts one token can reach. A fan-in map ``[n, K]`` lists the
+# rows that add up to each of ``n`` outputs (``len(source)`` where there are fewer).
+
+
+def token_share(experts: int, topk: int, ep: int) -> float:
+    """The share of tokens one peer hosts at least one of the top-k experts of, when every
+    top-k set of the ``experts`` is equally likely: ``1 - C(experts - L, k) / C(experts, k)``."""
+    local = experts // ep
+    return 1.0 - math.comb(experts - local, topk) / math.comb(experts, topk)
+
+
+def token_capacity(tokens: int, topk: int, experts: int, ep: int, factor: float) -> int:
+    """Tokens one rank may send to one peer: ``ceil(factor x tokens x share)``, at most all
+    ``tokens`` (then nothing can overflow)."""
+    share = token_share(experts, topk, ep)
+    return max(1, min(tokens, math.ceil(factor * tokens * share)))
+
+
+def expert_rows(tokens: int, topk: int, ep: int, factor: float) -> int:
+    """Expert rows one rank may receive in all: ``ep`` times :func:`capacity`, the buffer of the
+    row-per-expert exchange."""
+    return ep * capacity(tokens, topk, ep, factor)
+
+
+@dataclasses.dataclass
+class TokenSendPlan:
+    """The sending side of one rank, one row per (token, peer).
+
+    Attributes:
+        slot_tokens: ``[S]`` the token each send slot takes (``T``: padding).
+        token_slots: ``[T, ep]`` the send slot of each token at each peer (``S``: not sent);
+            the fan-in of the combine's sum.
+        slot_pairs: ``[S]`` the (token, peer) row ``t x ep + p`` of each slot (``T x ep``:
+            padding), to gather that peer's share of the token's routing.
+        pair_slots: ``[T x ep]`` the inverse of ``slot_pairs``.
+        overflow: bool scalar tensor: some peer got more than ``C_t`` tokens.
+    """
+
+    slot_tokens: Any
+    token_slots: Any
+    slot_pairs: Any
+    pair_slots: Any
+    overflow: Any
+
+
+def token_send_plan(routing_map, ep: int, cap: int) -> TokenSendPlan:
+    """The send slots for ``routing_map`` ``[T, ep x L]`` (bool): each token once to every peer
+    that hosts one of its experts, in token order, up to ``cap`` tokens per peer."""
+    import torch
+
+    device = routing_map.device
+    tokens = routing_map.size(0)
+    to_peer = routing_map.reshape(tokens, ep, -1).any(2)  # [T, ep]
+    cum = torch.cumsum(to_peer.long(), 0)  # tokens for peer p among tokens 0..t
+    slots = ep * cap
+    peer = torch.arange(ep, device=device)
+    fits = to_peer & (cum <= cap)
+    token_slots = torch.where(fits, peer[None, :] * cap + cum - 1, slots)
+
+    # Slot (p, j) takes the (j + 1)-th token for peer p: the first t whose count reaches j + 1.
+    j = torch.arange(cap, device=device)
+    wanted = (j + 1).expand(ep, cap).contiguous()
+    found = torch.searchsorted(cum.t().contiguous(), wanted)  # [ep, C_t]
+    valid = j[None, :] < cum[-1][:, None].clamp(max=cap)
+    slot_tokens = torch.where(valid, found, tokens).reshape(-1)
+    slot_pairs = torch.where(valid, found * ep + peer[:, None], tokens * ep).reshape(-1)
+    overflow = (cum[-1] > cap).any()
+    return TokenSendPlan(slot_tokens, token_slots, slot_pairs, token_slots.reshape(-1), overflow)
+
+
+@dataclasses.dataclass
+class TokenReceivePlan:
+    """The receiving side: ``S`` received token slots with the local experts each token goes to,
+    and the expert-major layout of ``R`` rows the experts read (expert, then source rank, then
+    token: megatron's order).
+
+    Attributes:
+        expert_slots: ``[R]`` the received slot of each expert row (``S``: padding).
+        slot_rows: ``[S, K]`` the expert rows of each slot, in local expert order (``R``:
+            none); the fan-in of the sum before the combine.
+        expert_pairs: ``[R]`` the (slot, local expert) entry ``s x L + l`` of each expert row
+            (``S x L``: padding), to gather the routing probabilities.
+        pair_rows: ``[S x L]`` the inverse of ``expert_pairs``.
+        tokens_per_expert: ``[L]`` rows per local expert (those that fit in ``R``).
+        overflow: bool scalar tensor: more than ``R`` expert rows arrived.
+    """
+
+    expert_slots: Any
+    slot_rows: Any
+    expert_pairs: Any
+    pair_rows: Any
+    tokens_per_expert: Any
+    overflow: Any
+
+
+def token_receive_plan(local_map, rows: int, topk: int) -> TokenReceivePlan:
+    """The layout for ``local_map`` ``[S, L]`` (bool): the local experts each received slot goes
+    to (no expert for an empty slot), with room for ``rows`` expert rows."""
+    import torch
+
+    device = local_map.device
+    slots, experts = local_map.shape
+    fan = min(topk, experts)
+    by_expert = local_map.t().reshape(-1).long()  # (expert, slot) order
+    cum = torch.cumsum(by_expert, 0)
+    total = cum[-1]
+
+    i = torch.arange(rows, device=device)
+    at = torch.searchsorted(cum, i + 1).clamp(max=experts * slots - 1)
+    valid = i < total
+    expert, slot = at // slots, at % slots
+    expert_slots = torch.where(valid, slot, slots)
+    expert_pairs = torch.where(valid, slot * experts + expert, slots * experts)
+
+    row = (cum - 1).reshape(experts, slots).t()  # [S, L] expert-major row of each entry
+    pair_rows = torch.where(local_map & (row < rows), row, rows)
+    in_slot = torch.cumsum(local_map.long(), 1)  # [S, L]
+    k = torch.arange(fan, device=device)
+    nth = torch.searchsorted(in_slot, (k + 1).expand(slots, fan).contiguous())
+    present = k[None, :] < in_slot[:, -1:]
+    slot_rows = torch.where(present, pair_rows.gather(1, nth.clamp(max=experts - 1)), rows)
+
+    kept = torch.cumsum(local_map.long().sum(0), 0).clamp(max=rows)
+    tokens_per_expert = kept - torch.nn.functional.pad(kept[:-1], (1, 0))
+    return TokenReceivePlan(
+        expert_slots,
+        slot_rows,
+        expert_pairs,
+        pair_rows.reshape(-1),
+        tokens_per_expert,
+        total > rows,
+    )

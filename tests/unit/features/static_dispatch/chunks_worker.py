@@ -24,7 +24,7 @@ class LayerExperts(Experts):
         return super().forward(x, tokens_per_expert, probs), None
 
 
-def worker(rank, world_size, port, dtype_name, chunk_counts, out):
+def worker(rank, world_size, port, dtype_name, chunk_counts, out, dedup=False):
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -51,6 +51,7 @@ def worker(rank, world_size, port, dtype_name, chunk_counts, out):
         )
         setattr(config, flags.CONFIG_ON, True)
         setattr(config, flags.CONFIG_FACTOR, 2.0)
+        setattr(config, flags.CONFIG_DEDUP, dedup)
         spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
         pg = ProcessGroupCollection.use_mpu_process_groups()
         torch.manual_seed(3)

@@ -146,6 +146,16 @@ def worker(rank, world_size, port, case, dtype_name, factor, out, emulated=None)
         static = static_dispatcher(MoEAlltoAllTokenDispatcher)(
             local, indices, static_config, pg_collection=pg
         )
+        dedup_config = TransformerConfig(**{**config.__dict__})
+        for name, value in (
+            (flags.CONFIG_ON, True),
+            (flags.CONFIG_FACTOR, factor),
+            (flags.CONFIG_DEDUP, True),
+        ):
+            setattr(dedup_config, name, value)
+        dedup = static_dispatcher(MoEAlltoAllTokenDispatcher)(
+            local, indices, dedup_config, pg_collection=pg
+        )
         routing_map, probs = routing(case, inputs, experts_total, seed=11)
         gen = torch.Generator().manual_seed(40 + inputs)
         hidden = torch.randn(TOKENS, H, generator=gen, dtype=dtype)
@@ -153,7 +163,7 @@ def worker(rank, world_size, port, case, dtype_name, factor, out, emulated=None)
         probs = probs.to(dtype)
 
         result = {"ep": ep}
-        for name, dispatcher in (("upstream", upstream), ("static", static)):
+        for name, dispatcher in (("upstream", upstream), ("static", static), ("dedup", dedup)):
             state.reset()
             experts = Experts(ep_rank * local, local, dtype)
             result[name] = run_layer(dispatcher, experts, hidden, routing_map, probs, grad_out)

@@ -1,6 +1,7 @@
 """``--moe-static-dispatch-chunks``: megatron's MoE layer (router with its auxiliary loss, the
 static dispatcher, reference experts) run whole and in token chunks on the same input, on one
-and on two gloo processes (EP = 1, EP = 2), fp64: the same output, input gradient and parameter
+and on two gloo processes (EP = 1, EP = 2; at EP = 2 also with one row per token and peer,
+``--moe-static-dispatch-dedup``), fp64: the same output, input gradient and parameter
 gradients up to the order in which the expert weight gradients are summed; the experts run once
 per chunk. The patch applies only with a chunk count above 1 and reverts."""
 
@@ -15,17 +16,21 @@ from tests.unit.features.static_dispatch.test_patches import STATIC
 from tests.unit.support.cpu_train import free_port
 
 
-def run(tmp_path, world_size, chunk_counts):
+def run(tmp_path, world_size, chunk_counts, dedup=False):
     out = str(tmp_path / "chunks")
-    args = (world_size, free_port(), "float64", chunk_counts, out)
+    args = (world_size, free_port(), "float64", chunk_counts, out, dedup)
     mp.spawn(chunks_worker.worker, args=args, nprocs=world_size, join=True)
     return [torch.load(f"{out}.rank{r}.pt") for r in range(world_size)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size, chunk_counts", [(1, (1, 2, 4)), (2, (1, 2, 3))])
-def test_chunked_layer_equals_the_whole_layer(tmp_path, world_size, chunk_counts):
-    for rank, result in enumerate(run(tmp_path, world_size, chunk_counts)):
+@pytest.mark.parametrize(
+    "world_size, chunk_counts, dedup",
+    [(1, (1, 2, 4), False), (2, (1, 2, 3), False), (2, (1, 2), True)],
+    ids=["ep1", "ep2", "ep2-dedup"],
+)
+def test_chunked_layer_equals_the_whole_layer(tmp_path, world_size, chunk_counts, dedup):
+    for rank, result in enumerate(run(tmp_path, world_size, chunk_counts, dedup)):
         assert result["dispatcher"] == "StaticAlltoAllTokenDispatcher"
         whole = result[1]
         assert whole["expert_calls"] == 1

@@ -1,7 +1,12 @@
-"""The static dispatcher against megatron's all-to-all dispatcher, two gloo processes (EP = 2,
-and EP = 1 with every expert on one rank): for routings that fit, the dispatched rows, expert
-outputs, combined output and every gradient are identical (fp32 and fp64); an overflow is
-flagged on every rank and the step runner re-runs the step dynamically or stops, as asked."""
+"""The static dispatcher, with one row per expert and with one row per token and peer
+(``--moe-static-dispatch-dedup``), against megatron's all-to-all dispatcher, two gloo processes
+(EP = 2, and EP = 1 with every expert on one rank): for routings that fit, the dispatched rows,
+expert outputs, combined output and every gradient are identical (fp32 and fp64); an overflow is
+flagged on every rank and the step runner re-runs the step dynamically or stops, as asked.
+
+The one-row-per-token exchange sums a token's expert outputs per peer and then over peers, where
+megatron sums all of them at once; with top-2 every sum has two terms, which add to the same bits
+in either order, so the comparison can ask for identical results there too."""
 
 import pytest
 import torch
@@ -30,19 +35,23 @@ KEYS = ("rows", "probs", "expert_out", "out", "hidden_grad", "probs_grad", "toke
 def test_static_dispatch_equals_megatrons_all_to_all(tmp_path, case, dtype):
     results = run(tmp_path, case, dtype)
     for rank, r in enumerate(results):
-        up, st = r["upstream"], r["static"]
-        assert not st["overflow"] and not up["overflow"]
-        for key in KEYS:
-            assert up[key].dtype == st[key].dtype, key
-            assert torch.equal(up[key], st[key]), f"rank {rank}: {key} differs"
-        for a, b in zip(up["weight_grads"], st["weight_grads"]):
-            assert torch.equal(a, b)
-        assert st["tail"].eq(0).all()  # padding rows of the static buffers
+        up = r["upstream"]
+        assert not up["overflow"]
+        for name in ("static", "dedup"):
+            st = r[name]
+            assert not st["overflow"], name
+            for key in KEYS:
+                assert up[key].dtype == st[key].dtype, key
+                assert torch.equal(up[key], st[key]), f"rank {rank}: {name}: {key} differs"
+            for a, b in zip(up["weight_grads"], st["weight_grads"]):
+                assert torch.equal(a, b)
+            assert st["tail"].eq(0).all()  # padding rows of the static buffers
         # the step runner leaves a step that fits to the static attempt
         assert r["step_rerun"]["ran_static"] and r["step_fail"]["ran_static"]
     if case == "one rank receives nothing":
-        assert int(results[1]["static"]["tokens_per_expert"].sum()) == 0
-        assert results[1]["static"]["rows"].shape[0] == 0
+        for name in ("static", "dedup"):
+            assert int(results[1][name]["tokens_per_expert"].sum()) == 0
+            assert results[1][name]["rows"].shape[0] == 0
     if case == "all experts on one rank":
         assert results[0]["ep"] == 1 and len(results[0]["static"]["tokens_per_expert"]) == 4
 
@@ -53,7 +62,7 @@ def test_overflow_is_flagged_everywhere_and_the_step_reruns_or_stops(tmp_path):
     for r in results:
         up, st = r["upstream"], r["static"]
         # flagged on both ranks (all-reduced), though only some rank's peer overflowed
-        assert st["overflow"] and not up["overflow"]
+        assert st["overflow"] and r["dedup"]["overflow"] and not up["overflow"]
         # rows that did not fit reached no expert: fewer rows than upstream on rank 0
         assert int(st["tokens_per_expert"].sum()) <= int(up["tokens_per_expert"].sum())
         # rerun: the step ran again dynamically, with the gradients of the dynamic path alone
@@ -77,7 +86,7 @@ def test_the_emulated_rank_sees_the_exchange_of_ranks_that_route_alike(tmp_path)
     has its shape but this rank's values."""
     (fake,) = run(tmp_path, "uneven", "float64", emulated="fake")
     alike = run(tmp_path, "uneven", "float64", emulated="alike")[1]
-    for name in ("upstream", "static"):
+    for name in ("upstream", "static", "dedup"):
         for key in ("rows", "probs", "expert_out", "tokens_per_expert"):
             assert torch.equal(fake[name][key], alike[name][key]), f"{name}: {key} differs"
         for a, b in zip(fake[name]["weight_grads"], alike[name]["weight_grads"]):
@@ -86,3 +95,4 @@ def test_the_emulated_rank_sees_the_exchange_of_ranks_that_route_alike(tmp_path)
             assert fake[name][key].shape == alike[name][key].shape
             assert torch.isfinite(fake[name][key]).all()
     assert int(fake["static"]["tokens_per_expert"].sum()) > 0
+    assert torch.equal(fake["dedup"]["rows"], fake["static"]["rows"])

@@ -58,3 +58,38 @@ def test_the_gradient_is_the_gather_through_the_inverse_map(interpreter):
         if r < 6:
             expected[r] = grad[i]
     assert torch.equal(src.grad, expected)
+
+
+@pytest.fixture
+def sum_interpreter(monkeypatch):
+    yield from triton_interpreter(monkeypatch, gather._sum_kernel)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_sum_kernel_adds_the_fan_in_in_order_to_the_bit(sum_interpreter, dtype):
+    """Each output row is the sum of its fan-in rows in the map's order, in fp32 (16-bit rows
+    rounded once), rows out of range adding nothing: what torch's form computes."""
+    gen = torch.Generator().manual_seed(2)
+    src = torch.randn(23, 700, generator=gen).to(dtype)
+    fanin = torch.randint(0, 30, (19, 4), generator=gen)  # about a quarter out of range
+    assert gather.triton_runs_on(src.device)
+    out = gather._gather_sum(src, fanin)
+    padded = torch.cat([src.float(), torch.zeros(1, 700)])
+    expected = torch.zeros(19, 700)
+    for k in range(4):
+        expected += padded[fanin[:, k].clamp(max=23)]
+    assert out.dtype == dtype and torch.equal(out, expected.to(dtype))
+    assert (fanin >= 23).any()
+
+
+def test_fan_out_and_fan_in_are_each_others_gradients():
+    """``gather_expand`` (a row taken by several outputs) and ``gather_sum`` pass gradient
+    checks in fp64 with the maps of one token sent to two experts."""
+    index = torch.tensor([0, 2, 0, 5, 1])  # row 0 feeds outputs 0 and 2; output 3 is padding
+    fanin = torch.tensor([[0, 2], [4, 5], [1, 5]])  # the outputs each source row feeds
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: gather.gather_expand(t, index, fanin), (x,))
+    y = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    owner = torch.tensor([0, 2, 0, 3, 1])  # row 3 adds into no output
+    assert torch.autograd.gradcheck(lambda t: gather.gather_sum(t, fanin, owner), (y,))
+    assert torch.equal(gather.gather_sum(y, fanin, owner)[0], (y[0] + y[2]).detach())
