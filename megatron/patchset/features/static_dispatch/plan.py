@@ -134,6 +134,19 @@ def receive_plan(received, cap: int) -> ReceivePlan:
 # rows that add up to each of ``n`` outputs (``len(source)`` where there are fewer).
 
 
+def cumsum_rows(x):
+    """``torch.cumsum(x, 1)`` of a 2-D tensor, as one scan of the flattened tensor less each row's
+    start. On a GPU torch scans a contiguous 1-D tensor with all the device's blocks; a scan along
+    a short inner dimension or along the outer one runs a block per row or one block in all
+    (measured: 0.7 ms for ``[4096, 8]`` along dim 0, 0.18 ms for ``[27344, 16]`` along dim 1, on
+    an H200)."""
+    import torch
+
+    flat = torch.cumsum(x.reshape(-1).long(), 0).view(x.shape)
+    start = flat[:, -1] - x.long().sum(1)
+    return flat - start[:, None]
+
+
 def token_share(experts: int, topk: int, ep: int) -> float:
     """The share of tokens one peer hosts at least one of the top-k experts of, when every
     top-k set of the ``experts`` is equally likely: ``1 - C(experts - L, k) / C(experts, k)``."""
@@ -182,21 +195,21 @@ def token_send_plan(routing_map, ep: int, cap: int) -> TokenSendPlan:
 
     device = routing_map.device
     tokens = routing_map.size(0)
-    to_peer = routing_map.reshape(tokens, ep, -1).any(2)  # [T, ep]
-    cum = torch.cumsum(to_peer.long(), 0)  # tokens for peer p among tokens 0..t
+    to_peer = routing_map.reshape(tokens, ep, -1).any(2).t()  # [ep, T]
+    cum = cumsum_rows(to_peer)  # tokens for peer p among tokens 0..t
     slots = ep * cap
     peer = torch.arange(ep, device=device)
     fits = to_peer & (cum <= cap)
-    token_slots = torch.where(fits, peer[None, :] * cap + cum - 1, slots)
+    token_slots = torch.where(fits, peer[:, None] * cap + cum - 1, slots).t().contiguous()
 
     # Slot (p, j) takes the (j + 1)-th token for peer p: the first t whose count reaches j + 1.
     j = torch.arange(cap, device=device)
     wanted = (j + 1).expand(ep, cap).contiguous()
-    found = torch.searchsorted(cum.t().contiguous(), wanted)  # [ep, C_t]
-    valid = j[None, :] < cum[-1][:, None].clamp(max=cap)
+    found = torch.searchsorted(cum, wanted)  # [ep, C_t]
+    valid = j[None, :] < cum[:, -1:].clamp(max=cap)
     slot_tokens = torch.where(valid, found, tokens).reshape(-1)
     slot_pairs = torch.where(valid, found * ep + peer[:, None], tokens * ep).reshape(-1)
-    overflow = (cum[-1] > cap).any()
+    overflow = (cum[:, -1] > cap).any()
     return TokenSendPlan(slot_tokens, token_slots, slot_pairs, token_slots.reshape(-1), overflow)
 
 
@@ -246,7 +259,7 @@ def token_receive_plan(local_map, rows: int, topk: int) -> TokenReceivePlan:
 
     row = (cum - 1).reshape(experts, slots).t()  # [S, L] expert-major row of each entry
     pair_rows = torch.where(local_map & (row < rows), row, rows)
-    in_slot = torch.cumsum(local_map.long(), 1)  # [S, L]
+    in_slot = cumsum_rows(local_map)  # [S, L]
     k = torch.arange(fan, device=device)
     nth = torch.searchsorted(in_slot, (k + 1).expand(slots, fan).contiguous())
     present = k[None, :] < in_slot[:, -1:]

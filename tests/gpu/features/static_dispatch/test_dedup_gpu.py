@@ -2,10 +2,13 @@
 the peer sums its experts' outputs before the combine.
 
 * the one-row-per-token exchange trains like the row-per-expert one (within bf16 tolerance: the
-  outputs are summed per peer, then over peers), at EP = 1, on one GPU as rank 0 of an EP = 2
-  layout under ``--fake-process-group``, and at EP = 2 on two GPUs;
+  outputs are summed per peer, then over peers), at EP = 1 and at EP = 2 on two GPUs;
 * under ``--deterministic-mode`` its full-iteration graph replays the eager step bit for bit
-  (EP = 1, the emulated EP = 2 rank, and EP = 2).
+  (EP = 1, one GPU as rank 0 of an EP = 2 layout under ``--fake-process-group``, and EP = 2).
+
+Under the fake process group the combine brings back this rank's own expert outputs in place of
+the other ranks' (the emulation's stand-in), which the two exchanges place differently: the
+emulated rank's losses are not compared across them, only graph against eager.
 """
 
 import pytest
@@ -34,8 +37,6 @@ RUNS = {
     "dedup_1gpu": (1, None, STATIC + DEDUP),
     "det_dedup_1gpu": (1, None, DETERMINISTIC + STATIC + DEDUP),
     "det_dedup_graph_1gpu": (1, None, DETERMINISTIC + STATIC + DEDUP + FULL_GRAPH),
-    "static_emulated_ep2": (1, 4, STATIC + EP2),
-    "dedup_emulated_ep2": (1, 4, STATIC + EP2 + DEDUP),
     "det_dedup_emulated_ep2": (1, 4, DETERMINISTIC + STATIC + EP2 + DEDUP),
     "det_dedup_graph_emulated_ep2": (1, 4, DETERMINISTIC + STATIC + EP2 + DEDUP + FULL_GRAPH),
     "static_ep2": (2, None, STATIC + EP2),
@@ -66,12 +67,6 @@ def runs(tmp_path_factory):
 def test_one_row_per_token_trains_like_one_row_per_expert(runs):
     needs(1)
     close(runs["dedup_1gpu"], runs["static_1gpu"], "dedup vs rows, EP=1", ITERS)
-    close(
-        runs["dedup_emulated_ep2"],
-        runs["static_emulated_ep2"],
-        "dedup vs rows, rank 0 of 4 at EP=2",
-        ITERS,
-    )
 
 
 @pytest.mark.gpus(1)

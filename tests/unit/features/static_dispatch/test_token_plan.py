@@ -162,3 +162,10 @@ def test_token_capacity():
     assert plan.token_capacity(4096, 8, 128, 8, 1.25) == math.ceil(1.25 * 4096 * share)
     assert plan.token_capacity(4096, 8, 128, 1, 1.25) == 4096  # one rank: every token once
     assert plan.expert_rows(4096, 8, 8, 1.25) == 8 * plan.capacity(4096, 8, 8, 1.25)
+
+
+def test_the_row_scan_is_torchs_cumsum_along_rows():
+    gen = torch.Generator().manual_seed(4)
+    for shape in ((8, 37), (29, 16), (1, 5), (6, 1)):
+        x = torch.rand(shape, generator=gen) < 0.4
+        assert torch.equal(plan.cumsum_rows(x), torch.cumsum(x.long(), 1))
