@@ -3,16 +3,16 @@
 Under ``--fake-process-group`` one GPU runs one rank's compute and memory of an N-GPU job with
 every collective skipped. This module adds the collectives back as bytes over links:
 
-* **expert-parallel all-to-all**, per MoE layer and micro-batch: dispatch and combine in the
-  forward pass and both again in the backward pass, each moving ``tokens x top-k x hidden`` bf16
-  values of which ``(EP - 1) / EP`` leave the GPU; the static-shape dispatch
-  (``--moe-static-dispatch``) sends fixed slots of its capacity, ``factor`` times as many rows
+* **expert-parallel all-to-all**, per MoE layer and micro-batch: dispatch and combine in the forward
+  pass and both again in the backward pass, each moving ``tokens x top-k x hidden`` bf16 values of
+  which ``(EP - 1) / EP`` leave the GPU; the static-shape dispatch (``--moe-static-dispatch``) sends
+  fixed slots of its capacity, ``factor`` times as many rows
   (``--moe-static-dispatch-capacity-factor``, default 2); with ``--moe-static-dispatch-dedup`` it
   sends each token once per peer that hosts one of its experts, in slots of ``factor x tokens x
-  share`` per peer (``share``: the fraction of tokens a peer hosts an expert of under uniform
-  routing, 0.667 for 128 experts, top-8, EP 8), and beside each token its routing among that
-  peer's experts (``L`` fp32 probabilities and ``L`` bytes of routing map forward, ``L`` fp32
-  gradients backward);
+  share`` per peer, at most ``tokens`` (``share``: the fraction of tokens a peer hosts an expert of
+  under uniform routing, 0.667 for 128 experts, top-8, EP 8), and beside each token its routing
+  among that peer's experts (``L`` fp32 probabilities and ``L`` bytes of routing map forward, ``L``
+  fp32 gradients backward);
 * **data-parallel gradient reduction**: with the distributed optimizer a reduce-scatter of the
   gradients (fp32 when megatron accumulates them in fp32, as it does for bf16) and an all-gather
   of the bf16 parameters, for the dense parameters over the data-parallel group and for the
@@ -156,7 +156,8 @@ def rows_factor(a: argparse.Namespace, experts: int, ep: int, hidden: int) -> fl
     if not (a.moe_static_dispatch_dedup and experts):
         return factor
     local = experts // ep
-    slots = ep * factor * token_share(experts, a.moe_router_topk, ep)
+    # slots per peer: a share of the tokens, at most all of them
+    slots = ep * min(1.0, factor * token_share(experts, a.moe_router_topk, ep))
     return slots / a.moe_router_topk * (1 + 9 * local / (4 * 2 * hidden))
 
 

@@ -118,6 +118,11 @@ def test_one_row_per_token_and_peer_sends_two_thirds_of_the_slots():
     assert comm_model.predict(tokens, LINKS)["a2a_ms"] == pytest.approx(
         comm_model.predict(rows, LINKS)["a2a_ms"] * tokens.a2a_rows_factor / 1.25
     )
+    # at EP 2 a token reaches both ranks in 99.7% of cases: the slots are capped at every token
+    ep2 = ("--expert-model-parallel-size", "2", "--moe-static-dispatch-dedup")
+    pair = comm_model.shape_of(qwen3(*flags[:3], *flags[5:], *ep2), 2)
+    assert pair.ep == 2
+    assert pair.a2a_rows_factor == pytest.approx(2 / 8 * (1 + 9 * 64 / (4 * 2 * 2048)))
 
 
 def test_a_chunked_layer_exposes_what_its_experts_cannot_cover():

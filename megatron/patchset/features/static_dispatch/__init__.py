@@ -5,8 +5,10 @@ static_dispatch.md).
 ``--moe-static-dispatch`` replaces the host side of megatron's all-to-all dispatcher
 (:mod:`.dispatcher`, index maps in :mod:`.plan`, gathers in :mod:`.gather`); a step whose rows do
 not fit the per-peer capacity is re-run with megatron's dynamic path or stops (:mod:`.runner`).
-``--moe-static-dispatch-chunks N`` runs each MoE layer in N token chunks whose all-to-alls
-overlap the experts of another chunk (:mod:`.chunks`).
+``--moe-static-dispatch-dedup`` sends each token once to every peer that hosts one of its experts
+and sums that peer's expert outputs there (the ``token_*`` plans, ``gather_expand`` and
+``gather_sum``). ``--moe-static-dispatch-chunks N`` runs each MoE layer in N token chunks whose
+all-to-alls overlap the experts of another chunk (:mod:`.chunks`).
 """
 
 from megatron.patchset.core.features import Feature
@@ -18,17 +20,28 @@ def _in_use(args) -> list[str]:
         "rerun": "a step that overflows is re-run with the dynamic all-to-all",
         "fail": "a step that overflows stops the run",
     }[flags.on_overflow(args)]
-    return [
-        flags.FLAG,
-        f"{flags.FACTOR_FLAG} {flags.factor(args)}",
-        f"{flags.OVERFLOW_FLAG} {flags.on_overflow(args)}: {policy}",
-    ] + (
+    return (
         [
-            f"{flags.CHUNKS_FLAG} {flags.chunks(args)}: each MoE layer in {flags.chunks(args)} "
-            "token chunks, their all-to-alls on a side stream beside the experts"
+            flags.FLAG,
+            f"{flags.FACTOR_FLAG} {flags.factor(args)}",
+            f"{flags.OVERFLOW_FLAG} {flags.on_overflow(args)}: {policy}",
         ]
-        if flags.chunks(args) > 1
-        else []
+        + (
+            [
+                f"{flags.CHUNKS_FLAG} {flags.chunks(args)}: each MoE layer in {flags.chunks(args)} "
+                "token chunks, their all-to-alls on a side stream beside the experts"
+            ]
+            if flags.chunks(args) > 1
+            else []
+        )
+        + (
+            [
+                f"{flags.DEDUP_FLAG}: each token crosses to a peer once, its expert outputs summed "
+                "there"
+            ]
+            if flags.dedup(args)
+            else []
+        )
     )
 
 
