@@ -149,12 +149,13 @@ def _parser() -> argparse.ArgumentParser:
 def rows_factor(a: argparse.Namespace, experts: int, ep: int, hidden: int) -> float:
     """Bytes an all-to-all moves, in units of megatron's (``tokens x top-k`` bf16 rows): the static
     dispatch's capacity, or with one row per token and peer its token slots and their routing
-    (averaged over the four all-to-alls: ``9 L`` bytes per slot for ``2 hidden`` of the row)."""
+    (averaged over the four all-to-alls: ``9 L`` bytes per slot for ``2 hidden`` of the row, the
+    probabilities counted as fp32: an upper bound where the router gives bf16)."""
     if not a.moe_static_dispatch:
         return 1.0
     factor = a.moe_static_dispatch_capacity_factor
     if not (a.moe_static_dispatch_dedup and experts):
-        return factor
+        return min(factor, ep)  # a peer's slots hold at most all of a rank's rows
     local = experts // ep
     # slots per peer: a share of the tokens, at most all of them
     slots = ep * min(1.0, factor * token_share(experts, a.moe_router_topk, ep))

@@ -36,6 +36,26 @@ from megatron.patchset.features.static_dispatch.gather import gather_expand, gat
 _MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
 
 
+_announced = False
+
+
+def announce_dedup(slots: int, rows: int, factor: float) -> None:
+    """One line on rank 0, at the first dispatch with one row per token and peer."""
+    import torch
+
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(
+            f"megatron-patchset: MoE all-to-all with one row per token and peer "
+            f"({flags.DEDUP_FLAG}): {slots} token slots per peer and room for {rows} expert rows "
+            f"per rank (capacity factor {factor:g})",
+            flush=True,
+        )
+
+
 def exchange_counts(kept, group, size: int):
     """``received[s]``: what source rank ``s`` sends to this rank (``kept`` ``[ep, ...]``, one
     equal part per peer): the rows per local expert, or the local routing map of each slot."""
@@ -109,12 +129,14 @@ def static_dispatcher(original: type) -> type:
             experts = routing_map.size(1)
             cap = plan.token_capacity(tokens, topk, experts, self.ep_size, factor)
             send = plan.token_send_plan(routing_map, self.ep_size, cap)
-            pairs = routing_map.reshape(tokens * self.ep_size, -1).to(torch.uint8)
+            local = experts // self.ep_size
+            pairs = routing_map.reshape(tokens * self.ep_size, local).to(torch.uint8)
             slot_maps = gather_rows(pairs, send.slot_pairs, send.pair_slots)  # [S, L]
             local_map = exchange_counts(slot_maps, self.ep_group, self.ep_size)
             rows = plan.expert_rows(tokens, topk, self.ep_size, factor)
             received = plan.token_receive_plan(local_map.bool(), rows, topk)
             state.note_overflow(send.overflow | received.overflow)
+            announce_dedup(cap, rows, factor)
             self.num_out_tokens = tokens * topk
             self.input_splits = self.output_splits = self.output_splits_tp = None
             self._exchange = (send, received)
@@ -138,7 +160,7 @@ def static_dispatcher(original: type) -> type:
             self.hidden_shape_before_permute = hidden_states.shape
             send = self._exchange[0]
             tokens = hidden_states.size(0)
-            pair_probs = probs.reshape(tokens * self.ep_size, -1)
+            pair_probs = probs.reshape(tokens * self.ep_size, probs.size(1) // self.ep_size)
             return (
                 gather_expand(hidden_states, send.slot_tokens, send.token_slots),
                 gather_rows(pair_probs, send.slot_pairs, send.pair_slots),

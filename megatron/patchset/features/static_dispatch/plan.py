@@ -142,6 +142,8 @@ def cumsum_rows(x):
     an H200)."""
     import torch
 
+    if x.numel() == 0:
+        return x.long()
     flat = torch.cumsum(x.reshape(-1).long(), 0).view(x.shape)
     start = flat[:, -1] - x.long().sum(1)
     return flat - start[:, None]
@@ -195,7 +197,7 @@ def token_send_plan(routing_map, ep: int, cap: int) -> TokenSendPlan:
 
     device = routing_map.device
     tokens = routing_map.size(0)
-    to_peer = routing_map.reshape(tokens, ep, -1).any(2).t()  # [ep, T]
+    to_peer = routing_map.reshape(tokens, ep, routing_map.size(1) // ep).any(2).t()  # [ep, T]
     cum = cumsum_rows(to_peer)  # tokens for peer p among tokens 0..t
     slots = ep * cap
     peer = torch.arange(ep, device=device)
@@ -206,10 +208,11 @@ def token_send_plan(routing_map, ep: int, cap: int) -> TokenSendPlan:
     j = torch.arange(cap, device=device)
     wanted = (j + 1).expand(ep, cap).contiguous()
     found = torch.searchsorted(cum, wanted)  # [ep, C_t]
-    valid = j[None, :] < cum[:, -1:].clamp(max=cap)
+    count = to_peer.long().sum(1)  # [ep]
+    valid = j[None, :] < count[:, None].clamp(max=cap)
     slot_tokens = torch.where(valid, found, tokens).reshape(-1)
     slot_pairs = torch.where(valid, found * ep + peer[:, None], tokens * ep).reshape(-1)
-    overflow = (cum[:, -1] > cap).any()
+    overflow = (count > cap).any()
     return TokenSendPlan(slot_tokens, token_slots, slot_pairs, token_slots.reshape(-1), overflow)
 
 

@@ -103,10 +103,13 @@ def _static_dispatch_requirements(args):
 
 @rule("moe-static-dispatch-options", phase="layout", flags=FLAGS)
 def _options(args):
-    """The capacity factor and the overflow policy act only with the flag."""
+    """The capacity factor, the overflow policy, the chunks and the one-row-per-token exchange act
+    only with the flag."""
     given = flags_given(args)
     if given and not requested(args):
-        return f"{', '.join(given)} only act with {FLAG}: add it or drop them."
+        if len(given) == 1:
+            return f"{given[0]} acts only with {FLAG}: add it or drop it."
+        return f"{', '.join(given)} act only with {FLAG}: add it or drop them."
     return None
 
 

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.gpu
 
 ITERS = 12
 DEDUP = ("--moe-static-dispatch-dedup",)
+ANNOUNCED = "megatron-patchset: MoE all-to-all with one row per token and peer "
 # name: (GPUs, ranks emulated on one GPU or None, flags)
 RUNS = {
     "static_1gpu": (1, None, STATIC),
@@ -66,6 +67,8 @@ def runs(tmp_path_factory):
 @pytest.mark.gpus(1)
 def test_one_row_per_token_trains_like_one_row_per_expert(runs):
     needs(1)
+    assert ANNOUNCED in runs["dedup_1gpu"].log_text()
+    assert ANNOUNCED not in runs["static_1gpu"].log_text()
     close(runs["dedup_1gpu"], runs["static_1gpu"], "dedup vs rows, EP=1", ITERS)
 
 
@@ -84,6 +87,7 @@ def test_full_iteration_graph_replays_the_eager_step_bitwise(runs):
 @pytest.mark.gpus(2)
 def test_one_row_per_token_trains_like_one_row_per_expert_at_ep2(runs):
     needs(2)
+    assert ANNOUNCED in runs["dedup_ep2"].log_text()
     close(runs["dedup_ep2"], runs["static_ep2"], "dedup vs rows, EP=2", ITERS)
 
 

@@ -106,6 +106,7 @@ def worker(rank, world_size, port, case, dtype_name, factor, out, emulated=None)
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron.patchset.features.static_dispatch import dispatcher as dispatcher_module
     from megatron.patchset.features.static_dispatch import flags, runner, state
     from megatron.patchset.features.static_dispatch.dispatcher import static_dispatcher
     from tests.unit.support import cpu_shims
@@ -169,25 +170,29 @@ def worker(rank, world_size, port, case, dtype_name, factor, out, emulated=None)
             result[name] = run_layer(dispatcher, experts, hidden, routing_map, probs, grad_out)
             result[name]["overflow"] = state.overflowed()
 
+        result["dedup_announced"] = dispatcher_module._announced
+
         # The step runner on an overflowing step: the static attempt is discarded and re-run
         # with megatron's dynamic path (rerun), or the step stops (fail).
-        for policy in flags.ON_OVERFLOW:
-            state.ON_OVERFLOW = policy
-            experts = Experts(ep_rank * local, local, dtype)
+        for prefix, dispatcher in (("", static), ("dedup_", dedup)):
+            for policy in flags.ON_OVERFLOW:
+                state.ON_OVERFLOW = policy
+                experts = Experts(ep_rank * local, local, dtype)
 
-            def attempt(data_iterator, model, **_):
-                run_layer(static, model[0], *next(data_iterator), grad_out)
-                return [{"attempt_static": state.static()}]
+                def attempt(data_iterator, model, dispatcher=dispatcher, **_):
+                    run_layer(dispatcher, model[0], *next(data_iterator), grad_out)
+                    return [{"attempt_static": state.static()}]
 
-            data = runner.hold(iter([(hidden, routing_map, probs)]), 1)
-            try:
-                ran = runner.run_step(attempt, attempt, {"data_iterator": data, "model": [experts]})
-                result[f"step_{policy}"] = {
-                    "ran_static": ran[0]["attempt_static"],
-                    "weight_grads": [w.grad.clone() for w in experts.w],
-                }
-            except runner.StaticDispatchOverflow as error:
-                result[f"step_{policy}"] = {"error": str(error)}
+                data = runner.hold(iter([(hidden, routing_map, probs)]), 1)
+                step = {"data_iterator": data, "model": [experts]}
+                try:
+                    ran = runner.run_step(attempt, attempt, step)
+                    result[f"{prefix}step_{policy}"] = {
+                        "ran_static": ran[0]["attempt_static"],
+                        "weight_grads": [w.grad.clone() for w in experts.w],
+                    }
+                except runner.StaticDispatchOverflow as error:
+                    result[f"{prefix}step_{policy}"] = {"error": str(error)}
         state.ON_OVERFLOW = "rerun"
         torch.save(result, f"{out}.rank{rank}.pt")
     finally:

@@ -47,7 +47,9 @@ def test_static_dispatch_equals_megatrons_all_to_all(tmp_path, case, dtype):
                 assert torch.equal(a, b)
             assert st["tail"].eq(0).all()  # padding rows of the static buffers
         # the step runner leaves a step that fits to the static attempt
-        assert r["step_rerun"]["ran_static"] and r["step_fail"]["ran_static"]
+        for prefix in ("", "dedup_"):
+            assert r[f"{prefix}step_rerun"]["ran_static"] and r[f"{prefix}step_fail"]["ran_static"]
+        assert r["dedup_announced"]
     if case == "one rank receives nothing":
         for name in ("static", "dedup"):
             assert int(results[1][name]["tokens_per_expert"].sum()) == 0
@@ -66,11 +68,12 @@ def test_overflow_is_flagged_everywhere_and_the_step_reruns_or_stops(tmp_path):
         # rows that did not fit reached no expert: fewer rows than upstream on rank 0
         assert int(st["tokens_per_expert"].sum()) <= int(up["tokens_per_expert"].sum())
         # rerun: the step ran again dynamically, with the gradients of the dynamic path alone
-        rerun = r["step_rerun"]
-        assert rerun["ran_static"] is False
-        for a, b in zip(up["weight_grads"], rerun["weight_grads"]):
-            assert torch.equal(a, b)
-        assert "--moe-static-dispatch-capacity-factor" in r["step_fail"]["error"]
+        for prefix in ("", "dedup_"):
+            rerun = r[f"{prefix}step_rerun"]
+            assert rerun["ran_static"] is False
+            for a, b in zip(up["weight_grads"], rerun["weight_grads"]):
+                assert torch.equal(a, b)
+            assert "--moe-static-dispatch-capacity-factor" in r[f"{prefix}step_fail"]["error"]
     assert int(results[0]["static"]["tokens_per_expert"].sum()) < int(
         results[0]["upstream"]["tokens_per_expert"].sum()
     )

@@ -53,14 +53,21 @@ def test_capacity_factor_below_one_is_refused():
 def test_the_options_without_the_flag_are_refused():
     got = failures(tiny_argv("--moe-static-dispatch-capacity-factor", "1.5"))
     assert got == {
-        "moe-static-dispatch-options": "--moe-static-dispatch-capacity-factor 1.5 only act with "
-        "--moe-static-dispatch: add it or drop them."
+        "moe-static-dispatch-options": "--moe-static-dispatch-capacity-factor 1.5 acts only with "
+        "--moe-static-dispatch: add it or drop it."
     }
     got = failures(tiny_argv("--moe-static-dispatch-on-overflow", "fail"))
     assert (
-        "--moe-static-dispatch-on-overflow fail only act with" in got["moe-static-dispatch-options"]
+        "--moe-static-dispatch-on-overflow fail acts only with"
+        in got["moe-static-dispatch-options"]
     )
     assert failures(tiny_argv(*STATIC, "--moe-static-dispatch-on-overflow", "fail")) == {}
+    got = failures(tiny_argv("--moe-static-dispatch-dedup", "--moe-static-dispatch-chunks", "2"))
+    assert got == {
+        "moe-static-dispatch-options": "--moe-static-dispatch-dedup, "
+        "--moe-static-dispatch-chunks 2 act only with --moe-static-dispatch: add it or drop them."
+    }
+    assert failures(tiny_argv(*STATIC, *EP2, "--moe-static-dispatch-dedup"), world_size=2) == {}
 
 
 @pytest.mark.parametrize("value", ["1e305", "1.7e308"])
@@ -83,8 +90,8 @@ def test_chunks_pass_with_the_recipe_and_act_only_with_the_static_dispatch():
     assert failures(tiny_argv(*STATIC, *EP2, *CHUNKS, "2"), world_size=2) == {}
     got = failures(tiny_argv(*CHUNKS, "2"))
     assert got == {
-        "moe-static-dispatch-options": "--moe-static-dispatch-chunks 2 only act with "
-        "--moe-static-dispatch: add it or drop them."
+        "moe-static-dispatch-options": "--moe-static-dispatch-chunks 2 acts only with "
+        "--moe-static-dispatch: add it or drop it."
     }
 
 

@@ -132,7 +132,8 @@ def test_rows_land_in_megatrons_order_and_the_layer_is_exact(ep, local, tokens, 
         assert torch.allclose(outs[s], direct, rtol=1e-12, atol=1e-12)
         (direct * grad[s]).sum().backward()
         assert torch.allclose(hidden[s].grad, h.grad, rtol=1e-12, atol=1e-12)
-        assert torch.allclose(probs[s].grad * maps[s], p.grad * maps[s], rtol=1e-12, atol=1e-12)
+        assert torch.allclose(probs[s].grad, p.grad, rtol=1e-12, atol=1e-12)
+        assert probs[s].grad[~maps[s]].eq(0).all()  # no gradient for experts not picked
 
 
 def test_what_does_not_fit_is_flagged_and_reaches_no_expert():
@@ -146,13 +147,45 @@ def test_what_does_not_fit_is_flagged_and_reaches_no_expert():
     sent_to_0 = int((sends[0].slot_tokens[:cap] < tokens).sum())
     assert sent_to_0 == cap  # the first cap tokens, in token order
     assert sends[0].token_slots[cap:, 0].eq(ep * cap).all()  # the rest: no slot
-    rc, _ = layouts[0]
-    assert int(rc.tokens_per_expert.sum()) <= rows
+    # peer 0 receives the first cap tokens of every rank, each with its experts on peer 0
+    kept = [
+        maps[s][(sends[s].slot_tokens[:cap]).clamp(max=tokens - 1)][:, :local] for s in range(ep)
+    ]
+    arrived = sum(
+        int(k[: int((sends[s].slot_tokens[:cap] < tokens).sum())].sum()) for s, k in enumerate(kept)
+    )
+    rc, ex = layouts[0]
+    assert int(rc.tokens_per_expert.sum()) == min(arrived, rows)
+    assert ex[min(arrived, rows) :].eq(0).all()
+    # a token that did not fit at peer 0 gets nothing back from peer 0's experts
+    dropped = sends[0].token_slots[:, 0] == ep * cap
+    assert dropped.any()
+    direct = sum(
+        hidden[0] * probs[0][:, e : e + 1] * maps[0][:, e : e + 1] for e in range(ep * local)
+    )
+    not_there = sum(
+        hidden[0] * probs[0][:, e : e + 1] * maps[0][:, e : e + 1] for e in range(local)
+    )
+    assert torch.allclose(outs[0][dropped], (direct - not_there)[dropped].detach(), atol=1e-12)
 
     # more expert rows than the receiving rank has room for: flagged there
     few = plan.token_receive_plan(torch.ones(6, 3, dtype=torch.bool), 10, 3)
     assert bool(few.overflow) and few.tokens_per_expert.tolist() == [6, 4, 0]
     assert int((few.expert_slots < 6).sum()) == 10 and few.slot_rows.max() == 10
+
+
+def test_a_layer_without_tokens_sends_and_receives_nothing():
+    ep, local, topk = 2, 3, 2
+    routing_map = torch.zeros(0, ep * local, dtype=torch.bool)
+    cap = plan.token_capacity(0, topk, ep * local, ep, 1.25)
+    send = plan.token_send_plan(routing_map, ep, cap)
+    assert send.slot_tokens.eq(0).all() and send.token_slots.shape == (0, ep)
+    assert not bool(send.overflow)
+    received = plan.token_receive_plan(torch.zeros(ep * cap, local, dtype=torch.bool), ep, topk)
+    assert received.tokens_per_expert.tolist() == [0] * local
+    assert received.expert_slots.eq(ep * cap).all() and not bool(received.overflow)
+    out = gather_sum(torch.zeros(ep * cap, H), send.token_slots, send.slot_tokens)
+    assert out.shape == (0, H)
 
 
 def test_token_capacity():
