@@ -43,47 +43,57 @@ def _kernel():
     return gather_rows_kernel
 
 
+def _launch(kernel, src, index, **meta):
+    """``kernel`` over one output row per entry of ``index`` (its first dimension), tiled as
+    :func:`row_block` tiles a row of ``src``."""
+    import triton
+
+    out = src.new_empty((index.shape[0], *src.shape[1:]))
+    row_len = src[0].numel()
+    if out.numel():
+        per, block = row_block(row_len)
+        grid = (triton.cdiv(index.shape[0], per), triton.cdiv(row_len, block))
+        n_out, n_src = index.shape[0], src.shape[0]
+        kernel[grid](out, src, index, n_out, n_src, row_len, ROWS=per, BLOCK=block, **meta)
+    return out
+
+
 def _gather_rows(src, index):
     """``src[index]`` with zero rows where ``index`` is out of range."""
     rows = src.shape[0]
     if rows == 0:
         return src.new_zeros((index.shape[0], *src.shape[1:]))
     if triton_runs_on(src.device) and src.is_contiguous() and index.is_contiguous():
-        import triton
-
-        out = src.new_empty((index.shape[0], *src.shape[1:]))
-        row_len = src[0].numel()
-        if out.numel():
-            per, block = row_block(row_len)
-            grid = (triton.cdiv(index.shape[0], per), triton.cdiv(row_len, block))
-            _kernel()[grid](out, src, index, index.shape[0], rows, row_len, ROWS=per, BLOCK=block)
-        return out
+        return _launch(_kernel(), src, index)
     out = src.index_select(0, index.clamp(max=rows - 1))
     pad = (index >= rows).reshape(-1, *([1] * (src.dim() - 1)))
     return out.masked_fill_(pad, 0)
 
 
 @functools.cache
-def _function():
+def _mapped(forward, backward):
+    """A differentiable ``forward(src, index)`` whose gradient is ``backward(grad, back)``, with
+    ``back`` the map that undoes ``index``."""
     import torch
 
-    class GatherRows(torch.autograd.Function):
+    class Mapped(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, src, index, inverse):
-            ctx.save_for_backward(inverse)
-            return _gather_rows(src, index)
+        def forward(ctx, src, index, back):
+            ctx.save_for_backward(back)
+            return forward(src, index)
 
         @staticmethod
         def backward(ctx, grad):
-            (inverse,) = ctx.saved_tensors
-            return _gather_rows(grad.contiguous(), inverse), None, None
+            (back,) = ctx.saved_tensors
+            return backward(grad.contiguous(), back), None, None
 
-    return GatherRows
+    Mapped.__name__ = Mapped.__qualname__ = f"Mapped_{forward.__name__}"
+    return Mapped
 
 
 def gather_rows(src, index, inverse):
     """Differentiable ``src[index]`` (see the module docstring)."""
-    return _function().apply(src, index, inverse)
+    return _mapped(_gather_rows, _gather_rows).apply(src, index, inverse)
 
 
 # --- Fan-out and fan-in (``--moe-static-dispatch-dedup``) ------------------------------------
@@ -158,26 +168,7 @@ def _gather_sum(src, fanin):
         and fanin.is_contiguous()
         and src.dtype in (torch.bfloat16, torch.float32)
     ):
-        import triton
-
-        out = src.new_empty((fanin.shape[0], *src.shape[1:]))
-        row_len = src[0].numel()
-        if out.numel():
-            per, block = row_block(row_len)
-            grid = (triton.cdiv(fanin.shape[0], per), triton.cdiv(row_len, block))
-            _sum_kernel()[grid](
-                out,
-                src,
-                fanin,
-                fanin.shape[0],
-                rows,
-                row_len,
-                FAN=fan,
-                ROWS=per,
-                BLOCK=block,
-                BF16=src.dtype == torch.bfloat16,
-            )
-        return out
+        return _launch(_sum_kernel(), src, fanin, FAN=fan, BF16=src.dtype == torch.bfloat16)
     acc = _accumulator(src.dtype)
     out = src.new_zeros((fanin.shape[0], *src.shape[1:]), dtype=acc)
     for k in range(fan):
@@ -185,42 +176,13 @@ def _gather_sum(src, fanin):
     return out.to(src.dtype)
 
 
-@functools.cache
-def _fan_functions():
-    import torch
-
-    class GatherExpand(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, src, index, fanin):
-            ctx.save_for_backward(fanin)
-            return _gather_rows(src, index)
-
-        @staticmethod
-        def backward(ctx, grad):
-            (fanin,) = ctx.saved_tensors
-            return _gather_sum(grad.contiguous(), fanin), None, None
-
-    class GatherSum(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, src, fanin, owner):
-            ctx.save_for_backward(owner)
-            return _gather_sum(src, fanin)
-
-        @staticmethod
-        def backward(ctx, grad):
-            (owner,) = ctx.saved_tensors
-            return _gather_rows(grad.contiguous(), owner), None, None
-
-    return GatherExpand, GatherSum
-
-
 def gather_expand(src, index, fanin):
     """Differentiable ``src[index]`` where ``index`` may repeat a row: ``fanin[r]`` lists the
     outputs that took source row ``r`` (``len(out)`` or more where fewer did)."""
-    return _fan_functions()[0].apply(src, index, fanin)
+    return _mapped(_gather_rows, _gather_sum).apply(src, index, fanin)
 
 
 def gather_sum(src, fanin, owner):
     """Differentiable ``sum over k of src[fanin[i, k]]``: ``owner[r]`` is the output that row
     ``r`` of ``src`` adds into (``len(out)`` or more where none does)."""
-    return _fan_functions()[1].apply(src, fanin, owner)
+    return _mapped(_gather_sum, _gather_rows).apply(src, fanin, owner)
