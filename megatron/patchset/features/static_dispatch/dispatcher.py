@@ -126,10 +126,9 @@ def static_dispatcher(original: type) -> type:
 
             tokens, topk = routing_map.size(0), self.config.moe_router_topk
             factor = getattr(self.config, flags.CONFIG_FACTOR, flags.DEFAULT_FACTOR)
-            experts = routing_map.size(1)
+            experts, local = routing_map.size(1), self.num_local_experts
             cap = plan.token_capacity(tokens, topk, experts, self.ep_size, factor)
             send = plan.token_send_plan(routing_map, self.ep_size, cap)
-            local = experts // self.ep_size
             pairs = routing_map.reshape(tokens * self.ep_size, local).to(torch.uint8)
             slot_maps = gather_rows(pairs, send.slot_pairs, send.pair_slots)  # [S, L]
             local_map = exchange_counts(slot_maps, self.ep_group, self.ep_size)
@@ -145,11 +144,7 @@ def static_dispatcher(original: type) -> type:
         def _token_dispatch_preprocess(self, hidden_states, routing_map, probs):
             """megatron's bookkeeping of ``dispatch_preprocess``, then each token and its
             probabilities gathered into its peers' slots."""
-            if self.config.moe_router_padding_for_quantization:
-                raise RuntimeError(
-                    f"{flags.DEDUP_FLAG} does not pad the routing map for quantization; drop "
-                    "--moe-router-padding-for-quantization or the flag"
-                )
+            # (--moe-router-padding-for-quantization: refused by moe-static-dispatch-requirements)
             self.hidden_shape = hidden_states.shape
             self.probs = probs
             self.routing_map = routing_map
@@ -160,7 +155,7 @@ def static_dispatcher(original: type) -> type:
             self.hidden_shape_before_permute = hidden_states.shape
             send = self._exchange[0]
             tokens = hidden_states.size(0)
-            pair_probs = probs.reshape(tokens * self.ep_size, probs.size(1) // self.ep_size)
+            pair_probs = probs.reshape(tokens * self.ep_size, self.num_local_experts)
             return (
                 gather_expand(hidden_states, send.slot_tokens, send.token_slots),
                 gather_rows(pair_probs, send.slot_pairs, send.pair_slots),
