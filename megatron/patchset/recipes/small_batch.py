@@ -2,8 +2,9 @@
 
 The experts run as one grouped GEMM each for forward, dgrad and wgrad with the per-expert token
 counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slots
-(``--moe-static-dispatch``; ``DEDUP=1`` sends a token once to each peer that hosts one of its
-experts; ``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose all-to-alls overlap the
+(``--moe-static-dispatch``, by default with ``--moe-static-dispatch-dedup``: a token crosses
+once to each peer that hosts one of its experts, ``DEDUP=0`` sends one row per routed expert;
+``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose all-to-alls overlap the
 experts of another chunk). With ``GRAPHS=full`` megatron replays the whole
 forward and backward as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer
 step as a second (``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the
@@ -115,9 +116,9 @@ RECIPE = r.Recipe(
         ),
         r.switch(
             "DEDUP",
-            False,
+            True,
             "each token crosses to an expert-parallel peer once, not once per expert it picked "
-            "there (EP > 1 with GRAPHS=full)",
+            "there (EP > 1 with GRAPHS=full); 0: one row per routed expert",
         ),
         r.switch("OPTIMIZER_GRAPH", True, "the optimizer step as a CUDA graph (GRAPHS=full)"),
         r.switch(

@@ -82,6 +82,10 @@ def test_small_batch_follows_its_knobs():
     plain = recipes.flags("small_batch", KERNELS=0, OPTIMIZER_GRAPH=0)
     assert not {"--adam-impl", "--cross-entropy-triton", "--optimizer-cuda-graph"} & set(plain)
     assert "--moe-static-dispatch-chunks" not in at_ep8
+    # one slot per token and peer unless DEDUP=0; nothing of the static dispatch at EP 1
+    assert "--moe-static-dispatch-dedup" in at_ep8
+    assert "--moe-static-dispatch-dedup" not in recipes.flags("small_batch", EP=8, DEDUP=0)
+    assert "--moe-static-dispatch-dedup" not in flags
     chunked = recipes.get("small_batch")(EP=8, A2A_CHUNKS=2, MEMORY="80G")
     flags = list(chunked.flags)
     assert flags[flags.index("--moe-static-dispatch-chunks") + 1] == "2"
