@@ -84,8 +84,17 @@ def test_expert_parallel_full_graphs_take_the_static_all_to_all(script, knobs):
         "static_dispatch (--moe-static-dispatch, --moe-static-dispatch-capacity-factor 1.5" in out
     )
     assert "static_dispatch.graph_step" in out
+    # one slot per token and peer unless DEDUP=0
+    assert "--moe-static-dispatch-dedup: each token crosses to a peer once" in out
     assert "--optimizer-cuda-graph" in out  # the same recipe in both forms
     assert out.rstrip().endswith("dry-run: OK")
+
+
+def test_dedup_0_sends_one_row_per_routed_expert():
+    proc = dry_run_example(SCRIPTS["local"], NGPUS="2", EP="2", DEDUP="0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "static_dispatch (--moe-static-dispatch" in proc.stdout
+    assert "--moe-static-dispatch-dedup" not in proc.stdout
 
 
 def test_expert_parallel_without_full_graphs_keeps_megatrons_dispatcher():
