@@ -139,7 +139,11 @@ def test_a_triton_kernel_keeps_its_constexpr_annotations(exported):
     ]
     assert len(kernels) == 1
     annotations = {a.arg: ast.unparse(a.annotation) for a in kernels[0].args.args if a.annotation}
-    assert annotations == {"BLOCK": "tl.constexpr", "OVERWRITE": "tl.constexpr"}
+    assert annotations == {
+        "BLOCK": "tl.constexpr",
+        "OVERWRITE": "tl.constexpr",
+        "DESCENDING": "tl.constexpr",
+    }
     plain = [
         n
         for n in ast.walk(tree)

@@ -52,13 +52,18 @@ class DeviceSplits:
 
     ``padded``: the input has rows after the last expert's (the static dispatch's fixed-size
     buffers, ``--moe-static-dispatch``); they are zeros, and the GEMMs keep their outputs there
-    zero (grouped_mm leaves rows past the last offset unwritten)."""
+    zero (grouped_mm leaves rows past the last offset unwritten).
 
-    __slots__ = ("counts", "padded")
+    ``descending``: the rows (and ``counts``) run from the last local expert to the first, the
+    order in which megatron's DDP buffers hold a layer's expert weights under the distributed
+    optimizer; the GEMMs then read the weights in place instead of stacking a copy."""
 
-    def __init__(self, counts, padded: bool = False):
+    __slots__ = ("counts", "padded", "descending")
+
+    def __init__(self, counts, padded: bool = False, descending: bool = False):
         self.counts = counts
         self.padded = padded
+        self.descending = descending
 
     def tolist(self) -> DeviceSplits:
         return self
@@ -68,12 +73,17 @@ class DeviceSplits:
 
     def __iter__(self):
         # Only megatron's --save-tokens-per-expert-interval hook iterates them (list(...)): that
-        # logging step reads the counts on the host, the training step does not.
-        return iter(self.counts.tolist())
+        # logging step reads the counts on the host, the training step does not. In expert order.
+        counts = self.counts.flip(0) if self.descending else self.counts
+        return iter(counts.tolist())
 
     def __repr__(self) -> str:
         padded = ", padded" if self.padded else ""
-        return f"DeviceSplits({self.counts.numel()} experts on {self.counts.device}{padded})"
+        descending = ", descending" if self.descending else ""
+        return (
+            f"DeviceSplits({self.counts.numel()} experts on {self.counts.device}"
+            f"{padded}{descending})"
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -128,6 +138,8 @@ def grouped_mm(x, m_splits, weights: Sequence, fuse_accumulation: bool = False):
     from megatron.patchset.features.grouped_mm import torch_grouped_gemm
 
     offs = group_offsets(m_splits, x.device)
+    if isinstance(m_splits, DeviceSplits) and m_splits.descending:
+        weights = list(weights)[::-1]
     if isinstance(m_splits, DeviceSplits) and m_splits.padded:
         return _padded_grouped_mm(x, offs, weights, fuse_accumulation)
     return torch_grouped_gemm.grouped_mm_with_offsets(x, offs, weights, fuse_accumulation)
@@ -154,7 +166,9 @@ class GroupedMMForward:
         if isinstance(m_splits, DeviceSplits) and m_splits.padded:
             offs = group_offsets(m_splits, x.device)
             x = _zero_tail_function().apply(x.contiguous(), offs)
-            out, bias = torch_grouped_gemm.grouped_linear_forward(self, x, None, offs=offs)
+            out, bias = torch_grouped_gemm.grouped_linear_forward(
+                self, x, None, offs=offs, descending=m_splits.descending
+            )
             zero_tail(out.detach(), offs)  # not saved for backward: no version conflict
             return out, bias
         if isinstance(m_splits, DeviceSplits):

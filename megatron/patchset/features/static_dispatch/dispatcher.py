@@ -68,6 +68,44 @@ def exchange_counts(kept, group, size: int):
     return received
 
 
+def _weights_descending(linear) -> bool | None:
+    """Whether a grouped linear's expert weights lie back to back from the last to the first
+    (None: not a grouped linear)."""
+    from megatron.patchset.features.grouped_mm.torch_grouped_gemm import stacked_view
+
+    count = getattr(linear, "num_gemms", None)
+    if not count or count < 2:
+        return None
+    weights = [linear._parameters.get(f"weight{i}") for i in range(count)]
+    if any(w is None for w in weights):
+        return None
+    found = stacked_view(weights)
+    return found is not None and found[1]
+
+
+def orient_experts(model) -> None:
+    """Before a model's first step: every static dispatcher whose layer's expert weights lie in
+    descending order (megatron's DDP buffers under the distributed optimizer hold them so) lays
+    its rows out in that order too, so that the grouped GEMMs read the weights in place (one row
+    per token and peer). Each expert's rows and every sum keep their order: the results are the
+    same to the bit. Checked once per model chunk."""
+    chunks = model if isinstance(model, list) else [model]
+    for chunk in chunks:
+        if chunk is None or getattr(chunk, "_patchset_experts_oriented", False):
+            continue
+        for module in chunk.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            experts = getattr(module, "experts", None)
+            if experts is None or not hasattr(dispatcher, "experts_descending"):
+                continue
+            orders = [
+                _weights_descending(getattr(experts, name, None))
+                for name in ("linear_fc1", "linear_fc2")
+            ]
+            dispatcher.experts_descending = bool(orders) and all(orders)
+        chunk._patchset_experts_oriented = True
+
+
 @patch(
     "static_dispatch.dispatcher",
     f"{_MOE_LAYER}.MoEAlltoAllTokenDispatcher",
@@ -82,6 +120,9 @@ def static_dispatcher(original: type) -> type:
     class StaticAlltoAllTokenDispatcher(original):
         __doc__ = (original.__doc__ or "") + "\n    With static shapes: see " + __name__ + "."
         _exchange = None  # (SendPlan, ReceivePlan) of the current static dispatch
+        # Lay the experts' rows out from the last local expert to the first (one row per token
+        # and peer): set by orient_experts where the layer's expert weights lie so in memory.
+        experts_descending = False
 
         def _static(self) -> bool:
             return (
@@ -133,7 +174,9 @@ def static_dispatcher(original: type) -> type:
             slot_maps = gather_rows(pairs, send.slot_pairs, send.pair_slots)  # [S, L]
             local_map = exchange_counts(slot_maps, self.ep_group, self.ep_size)
             rows = plan.expert_rows(tokens, topk, self.ep_size, factor)
-            received = plan.token_receive_plan(local_map.bool(), rows, topk)
+            received = plan.token_receive_plan(
+                local_map.bool(), rows, topk, descending=self.experts_descending
+            )
             state.note_overflow(send.overflow | received.overflow)
             announce_dedup(cap, rows, factor)
             self.num_out_tokens = tokens * topk
@@ -192,7 +235,9 @@ def static_dispatcher(original: type) -> type:
                 pairs = global_probs.reshape(-1)
                 return (
                     gather_expand(global_input_tokens, received.expert_slots, received.slot_rows),
-                    DeviceSplits(received.tokens_per_expert, padded=True),
+                    DeviceSplits(
+                        received.tokens_per_expert, padded=True, descending=received.descending
+                    ),
                     gather_rows(pairs, received.expert_pairs, received.pair_rows),
                 )
             rows, slots = received.expert_rows, received.slot_expert_rows

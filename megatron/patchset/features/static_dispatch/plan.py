@@ -220,7 +220,7 @@ def token_send_plan(routing_map, ep: int, cap: int) -> TokenSendPlan:
 class TokenReceivePlan:
     """The receiving side: ``S`` received token slots with the local experts each token goes to,
     and the expert-major layout of ``R`` rows the experts read (expert, then source rank, then
-    token: megatron's order).
+    token: megatron's order; with ``descending`` the last local expert's rows come first).
 
     Attributes:
         expert_slots: ``[R]`` the received slot of each expert row (``S``: padding).
@@ -229,8 +229,10 @@ class TokenReceivePlan:
         expert_pairs: ``[R]`` the (slot, local expert) entry ``s x L + l`` of each expert row
             (``S x L``: padding), to gather the routing probabilities.
         pair_rows: ``[S x L]`` the inverse of ``expert_pairs``.
-        tokens_per_expert: ``[L]`` rows per local expert (those that fit in ``R``).
+        tokens_per_expert: ``[L]`` rows per local expert (those that fit in ``R``), in the order
+            of the layout (last local expert first with ``descending``).
         overflow: bool scalar tensor: more than ``R`` expert rows arrived.
+        descending: whether the layout runs from the last local expert to the first.
     """
 
     expert_slots: Any
@@ -239,28 +241,37 @@ class TokenReceivePlan:
     pair_rows: Any
     tokens_per_expert: Any
     overflow: Any
+    descending: bool = False
 
 
-def token_receive_plan(local_map, rows: int, topk: int) -> TokenReceivePlan:
+def token_receive_plan(
+    local_map, rows: int, topk: int, descending: bool = False
+) -> TokenReceivePlan:
     """The layout for ``local_map`` ``[S, L]`` (bool): the local experts each received slot goes
-    to (no expert for an empty slot), with room for ``rows`` expert rows."""
+    to (no expert for an empty slot), with room for ``rows`` expert rows. ``descending`` lays the
+    experts out from the last to the first (each expert's rows in the same order), to match
+    expert weights that lie in memory in that order (megatron's DDP buffers)."""
     import torch
 
     device = local_map.device
     slots, experts = local_map.shape
     fan = min(topk, experts)
-    by_expert = local_map.t().reshape(-1).long()  # (expert, slot) order
+    layout = local_map.flip(1) if descending else local_map  # column g: the g-th expert laid out
+    by_expert = layout.t().reshape(-1).long()  # (expert, slot) order
     cum = torch.cumsum(by_expert, 0)
     total = cum[-1]
 
     i = torch.arange(rows, device=device)
     at = torch.searchsorted(cum, i + 1).clamp(max=experts * slots - 1)
     valid = i < total
-    expert, slot = at // slots, at % slots
+    group, slot = at // slots, at % slots
+    expert = experts - 1 - group if descending else group
     expert_slots = torch.where(valid, slot, slots)
     expert_pairs = torch.where(valid, slot * experts + expert, slots * experts)
 
     row = (cum - 1).reshape(experts, slots).t()  # [S, L] expert-major row of each entry
+    if descending:
+        row = row.flip(1)  # back to local expert order
     pair_rows = torch.where(local_map & (row < rows), row, rows)
     in_slot = cumsum_rows(local_map)  # [S, L]
     k = torch.arange(fan, device=device)
@@ -268,7 +279,7 @@ def token_receive_plan(local_map, rows: int, topk: int) -> TokenReceivePlan:
     present = k[None, :] < in_slot[:, -1:]
     slot_rows = torch.where(present, pair_rows.gather(1, nth.clamp(max=experts - 1)), rows)
 
-    kept = torch.cumsum(local_map.long().sum(0), 0).clamp(max=rows)
+    kept = torch.cumsum(layout.long().sum(0), 0).clamp(max=rows)
     tokens_per_expert = kept - torch.nn.functional.pad(kept[:-1], (1, 0))
     return TokenReceivePlan(
         expert_slots,
@@ -277,4 +288,5 @@ def token_receive_plan(local_map, rows: int, topk: int) -> TokenReceivePlan:
         pair_rows.reshape(-1),
         tokens_per_expert,
         total > rows,
+        descending,
     )

@@ -19,6 +19,7 @@ from typing import Any
 from megatron.patchset.core.registry import patch
 from megatron.patchset.features.paged_stash.rerun import RngStates
 from megatron.patchset.features.static_dispatch import flags, state
+from megatron.patchset.features.static_dispatch.dispatcher import orient_experts
 
 logger = logging.getLogger(__name__)
 _TRAINING = "megatron.training.training"
@@ -78,6 +79,7 @@ def run_step(first_attempt, eager, kwargs: dict, rng: RngStates | None = None):
     """``first_attempt(**kwargs)`` with static dispatch; on overflow anywhere, per the policy:
     raise, or discard it and return ``eager(**kwargs)`` under megatron's dynamic dispatch."""
     rng = rng or RngStates()
+    orient_experts(kwargs.get("model"))
     held: Held = kwargs["data_iterator"]
     saved = rng.save()
     state.reset()

@@ -327,3 +327,54 @@ def test_zero_rows_after_the_last_group_change_no_bit_of_the_real_rows(experts, 
     assert torch.equal(F.grouped_mm(x, wt, offs=offs), F.grouped_mm(xp, wt, offs=offs)[:total])
     assert torch.equal(F.grouped_mm(dy, w, offs=offs), F.grouped_mm(dyp, w, offs=offs)[:total])
     assert torch.equal(F.grouped_mm(dy.t(), x, offs=offs), F.grouped_mm(dyp.t(), xp, offs=offs))
+
+
+@pytest.mark.gpus(1)
+def test_descending_row_groups_give_the_expert_order_bits():
+    """With the expert weights and fp32 main grads in DDP's buffers (expert ``e`` at index
+    ``n - 1 - e``, as under the distributed optimizer), the static dispatch lays the rows out from
+    the last expert to the first and the GEMMs read the weights in place. Against the rows in
+    expert order (which stack a copy of the weights per GEMM), at the shape of a Qwen3-30B-A3B rank
+    at EP 8 with padding rows: every output row, data gradient and main grad has the same bits."""
+    import torch
+
+    experts, k, n, pad = 16, 2048, 1536, 1000
+    torch.manual_seed(0)
+    counts = torch.randint(0, 600, (experts,))
+    counts[3] = 0
+    total = int(counts.sum())
+    x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
+    starts = [int(counts[:e].sum()) for e in range(experts)]
+    down_rows = [
+        i for e in reversed(range(experts)) for i in range(starts[e], starts[e] + counts[e])
+    ]
+    down_rows = torch.tensor(down_rows, device="cuda")
+
+    def ddp_layout():
+        params = values.flip(0).contiguous()
+        grads = torch.full((experts, n, k), 0.25, device="cuda")
+        weights = []
+        for e in range(experts):
+            w = torch.nn.Parameter(params[experts - 1 - e])
+            w.main_grad = grads[experts - 1 - e]
+            w.grad_added_to_main_grad = False
+            weights.append(w)
+        return weights
+
+    def run(weights, rows, splits):
+        xp = torch.cat([x[rows], x.new_zeros(pad, k)]).requires_grad_(True)
+        out = linears.grouped_mm(xp, splits, weights, fuse_accumulation=True)
+        out.backward(torch.cat([dy[rows], dy.new_zeros(pad, n)]))
+        return out[:total].detach(), xp.grad[:total], [w.main_grad for w in weights]
+
+    in_order = torch.arange(total, device="cuda")
+    up = run(ddp_layout(), in_order, linears.DeviceSplits(counts.cuda(), padded=True))
+    down_splits = linears.DeviceSplits(counts.flip(0).cuda(), padded=True, descending=True)
+    down = run(ddp_layout(), down_rows, down_splits)
+    assert torch.equal(down[0], up[0][down_rows])
+    assert torch.equal(down[1], up[1][down_rows])
+    for a, b in zip(up[2], down[2]):
+        assert torch.equal(a, b)
+    assert not torch.equal(up[2][0], torch.full_like(up[2][0], 0.25))

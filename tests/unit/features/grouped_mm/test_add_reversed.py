@@ -30,8 +30,11 @@ def test_without_a_gpu_or_the_interpreter_it_is_not_available(monkeypatch):
     assert not accumulate.add_reversed_available(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("descending", [True, False])
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_it_is_torchs_promoted_add_into_the_reversed_stack_to_the_bit(interpreter, overwrite):
+def test_it_is_torchs_promoted_add_into_the_reversed_stack_to_the_bit(
+    interpreter, overwrite, descending
+):
     assert accumulate.add_reversed_available(torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     n, shape = 5, (7, accumulate.ADD_REVERSED_BLOCK // 3)  # rows not a multiple of the block
@@ -39,11 +42,12 @@ def test_it_is_torchs_promoted_add_into_the_reversed_stack_to_the_bit(interprete
     dw = torch.randn((n, *shape), generator=gen).to(torch.bfloat16)
     expected = stack.clone()
     for e in range(n):
+        row = expected[n - 1 - e] if descending else expected[e]
         if overwrite:
-            expected[n - 1 - e].copy_(dw[e])
+            row.copy_(dw[e])
         else:
-            expected[n - 1 - e].add_(dw[e])
-    accumulate.add_reversed(stack, dw, overwrite=overwrite)
+            row.add_(dw[e])
+    accumulate.add_reversed(stack, dw, overwrite=overwrite, descending=descending)
     assert torch.equal(stack, expected)
 
 
@@ -60,9 +64,9 @@ def test_the_backward_takes_it_for_main_grads_in_reverse(interpreter, monkeypatc
     calls = []
     real = accumulate.add_reversed
 
-    def record(stack, dw, overwrite=False):
-        calls.append((tuple(stack.shape), dw.dtype, overwrite))
-        return real(stack, dw, overwrite=overwrite)
+    def record(stack, dw, overwrite=False, descending=True):
+        calls.append((tuple(stack.shape), dw.dtype, overwrite, descending))
+        return real(stack, dw, overwrite=overwrite, descending=descending)
 
     def refuse(*args, **kwargs):
         raise AssertionError("torch's reversed copy or per-expert add used")
@@ -72,7 +76,7 @@ def test_the_backward_takes_it_for_main_grads_in_reverse(interpreter, monkeypatc
     monkeypatch.setattr(torch.Tensor, "add_", refuse)
     x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
     linears.grouped_mm(x, SPLITS, weights, fuse_accumulation=True).backward(dy)
-    assert calls == [((len(weights), OUT, IN), torch.bfloat16, False)]
+    assert calls == [((len(weights), OUT, IN), torch.bfloat16, False, True)]
     dw = torch.nn.functional.grouped_mm(
         dy.t(), x, offs=linears.group_offsets(SPLITS, x.device)
     )  # the backward's own weight gradient: the main grads hold exactly 0.5 + it

@@ -440,3 +440,61 @@ def test_weights_that_are_views_already_stay_and_are_stacked_per_gemm(monkeypatc
     assert all(torch.equal(stacked[i], w) for i, w in enumerate(weights))
     mixed = expert_weights()[:2] + [torch.zeros(OUT + 1, IN, dtype=torch.bfloat16)]
     assert not tgg.share_one_storage(mixed)
+
+
+def _in_ddp_buffers(values):
+    """Expert weights and fp32 main grads as megatron's DDP holds them under the distributed
+    optimizer: views of one parameter buffer and one gradient buffer, expert ``e`` at index
+    ``n - 1 - e`` of both."""
+    n = len(values)
+    params = torch.stack(values[::-1]).detach()
+    weights = [torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16)) for _ in range(n)]
+    for i, w in enumerate(weights):
+        w.data = params[n - 1 - i]
+    ddp_main_grads(weights, descending=True)
+    return weights
+
+
+def test_descending_row_groups_read_the_weights_in_place_with_the_same_bits(monkeypatch):
+    """Rows grouped from the last expert to the first (the static dispatch's layout for weights in
+    DDP's buffers): no stacked copy of the weights in forward or backward, the weight gradients go
+    into the main grads with one add in expert order, and every output row, data gradient and
+    main grad equals that of the expert-order layout to the bit."""
+    values = [w.detach() for w in expert_weights()]
+    splits = torch.tensor(SPLITS)
+    total, n = sum(SPLITS), len(SPLITS)
+    x, dy = rows(total), rows(total, OUT, seed=2)
+    starts = [sum(SPLITS[:e]) for e in range(n)]
+    backwards = [i for e in reversed(range(n)) for i in range(starts[e], starts[e] + SPLITS[e])]
+
+    upward, downward = _in_ddp_buffers(values), _in_ddp_buffers(values)
+    stacks, adds = [], []
+    stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or stack(*a, **k))
+
+    def one_add(view, dw, overwrite=False, descending=True):  # the Triton kernel's arithmetic
+        adds.append(descending)
+        view.add_(dw.flip(0) if descending else dw)
+
+    monkeypatch.setattr(tgg, "add_reversed_available", lambda device: True)
+    monkeypatch.setattr(tgg, "add_reversed", one_add)
+    x_up = x.clone().requires_grad_(True)
+    y_up = linears.grouped_mm(x_up, linears.DeviceSplits(splits), upward, fuse_accumulation=True)
+    y_up.backward(dy)
+    # expert order: a stacked copy for forward and for dgrad, the add into the reversed stack
+    assert len(stacks) == 2 and adds == [True]
+
+    stacks.clear()
+    adds.clear()
+    x_down = x[backwards].clone().requires_grad_(True)
+    down_splits = linears.DeviceSplits(splits.flip(0), descending=True)
+    y_down = linears.grouped_mm(x_down, down_splits, downward, fuse_accumulation=True)
+    y_down.backward(dy[backwards])
+
+    assert stacks == [] and adds == [False]
+    assert torch.equal(y_down, y_up[backwards])
+    assert torch.equal(x_down.grad, x_up.grad[backwards])
+    for up, down in zip(upward, downward):
+        assert torch.equal(down.main_grad, up.main_grad) and down.grad_added_to_main_grad
+    assert list(down_splits) == SPLITS  # megatron's token log reads them in expert order
+    assert "descending" in repr(down_splits)

@@ -39,8 +39,9 @@ def exchange(sent, ep):
     return [torch.cat([parts[s][r] for s in range(ep)]) for r in range(ep)]
 
 
-def run(maps, probs, hidden, weights, ep, factor):
-    """The dispatch, an expert computation ``(x @ W_e) * p`` and the combine on every rank."""
+def run(maps, probs, hidden, weights, ep, factor, descending=False):
+    """The dispatch, an expert computation ``(x @ W_e) * p`` and the combine on every rank; with
+    ``descending`` the experts' rows are laid out from the last local expert to the first."""
     tokens, experts = maps[0].shape
     local, topk = experts // ep, int(maps[0][0].sum())
     cap = plan.token_capacity(tokens, topk, experts, ep, factor)
@@ -50,7 +51,10 @@ def run(maps, probs, hidden, weights, ep, factor):
         gather_rows(m.reshape(tokens * ep, local).to(torch.uint8), s.slot_pairs, s.pair_slots)
         for m, s in zip(maps, sends)
     ]
-    receives = [plan.token_receive_plan(m.bool(), rows, topk) for m in exchange(slot_maps, ep)]
+    receives = [
+        plan.token_receive_plan(m.bool(), rows, topk, descending=descending)
+        for m in exchange(slot_maps, ep)
+    ]
     slots_x = [gather_expand(h, s.slot_tokens, s.token_slots) for h, s in zip(hidden, sends)]
     slots_p = [
         gather_rows(p.reshape(tokens * ep, local), s.slot_pairs, s.pair_slots)
@@ -61,7 +65,8 @@ def run(maps, probs, hidden, weights, ep, factor):
         ex = gather_expand(x, rc.expert_slots, rc.slot_rows)
         ep_probs = gather_rows(p.reshape(-1), rc.expert_pairs, rc.pair_rows)
         out, start = [], 0
-        for e, n in enumerate(rc.tokens_per_expert.tolist()):
+        for g, n in enumerate(rc.tokens_per_expert.tolist()):
+            e = local - 1 - g if descending else g
             out.append(
                 ex[start : start + n] @ weights[r * local + e] * ep_probs[start : start + n, None]
             )
@@ -73,6 +78,7 @@ def run(maps, probs, hidden, weights, ep, factor):
     return sends, receives, layouts, outs, cap, rows
 
 
+@pytest.mark.parametrize("descending", [False, True], ids=["expert_order", "descending"])
 @pytest.mark.parametrize(
     "ep, local, tokens, topk, factor",
     [
@@ -83,27 +89,34 @@ def run(maps, probs, hidden, weights, ep, factor):
         (8, 2, 24, 8, 1.5),
     ],
 )
-def test_rows_land_in_megatrons_order_and_the_layer_is_exact(ep, local, tokens, topk, factor):
+def test_rows_land_in_megatrons_order_and_the_layer_is_exact(
+    ep, local, tokens, topk, factor, descending
+):
     maps, probs = routing(ep, local, tokens, topk, seed=ep * 10 + topk)
     gen = torch.Generator().manual_seed(1)
     hidden = [torch.randn(tokens, H, generator=gen, dtype=torch.float64) for _ in range(ep)]
     weights = [torch.randn(H, H, generator=gen, dtype=torch.float64) for _ in range(ep * local)]
     for t in (*hidden, *probs):
         t.requires_grad_(True)
-    sends, receives, layouts, outs, cap, rows = run(maps, probs, hidden, weights, ep, factor)
+    sends, receives, layouts, outs, cap, rows = run(
+        maps, probs, hidden, weights, ep, factor, descending
+    )
     assert not any(bool(s.overflow) for s in sends) and not any(bool(r.overflow) for r in receives)
 
+    order = list(range(local))[::-1] if descending else list(range(local))
     for r, (rc, ex) in enumerate(layouts):
-        # megatron's order: local expert, then source rank, then token
+        # megatron's order: local expert (from the last with descending), then source rank,
+        # then token
+        assert rc.descending is descending
         expected = [
             (s, t)
-            for e in range(local)
+            for e in order
             for s in range(ep)
             for t in range(tokens)
             if maps[s][t, r * local + e]
         ]
         assert rc.tokens_per_expert.tolist() == [
-            sum(int(maps[s][:, r * local + e].sum()) for s in range(ep)) for e in range(local)
+            sum(int(maps[s][:, r * local + e].sum()) for s in range(ep)) for e in order
         ]
         got = [
             (int(x) // cap, int(sends[int(x) // cap].slot_tokens[r * cap + int(x) % cap]))
@@ -202,3 +215,27 @@ def test_the_row_scan_is_torchs_cumsum_along_rows():
     for shape in ((8, 37), (29, 16), (1, 5), (6, 1)):
         x = torch.rand(shape, generator=gen) < 0.4
         assert torch.equal(plan.cumsum_rows(x), torch.cumsum(x.long(), 1))
+
+
+def test_the_descending_layout_changes_no_sum():
+    """Laid out from the last local expert to the first, every slot still sums its experts' rows
+    in local expert order, and each expert gets the same rows in the same order: the layer's
+    outputs are those of megatron's order to the bit (float32)."""
+    ep, local, tokens, topk = 4, 4, 20, 6
+    maps, probs = routing(ep, local, tokens, topk, seed=7)
+    gen = torch.Generator().manual_seed(2)
+    hidden = [torch.randn(tokens, H, generator=gen) for _ in range(ep)]
+    weights = [torch.randn(H, H, generator=gen) for _ in range(ep * local)]
+    probs = [p.float() for p in probs]
+    ups = run(maps, probs, hidden, weights, ep, 1.5)
+    downs = run(maps, probs, hidden, weights, ep, 1.5, descending=True)
+    for up, down in zip(ups[3], downs[3]):
+        assert torch.equal(up, down)
+    for (up, _), (down, _) in zip(ups[2], downs[2]):
+        assert torch.equal(up.tokens_per_expert.flip(0), down.tokens_per_expert)
+        # the slots' fan-in lists the same entries (their rows moved with the layout)
+        assert torch.equal(up.expert_slots.sort().values, down.expert_slots.sort().values)
+        assert torch.equal(
+            (up.slot_rows < len(up.expert_slots)).sum(1),
+            (down.slot_rows < len(up.expert_slots)).sum(1),
+        )
