@@ -8,7 +8,7 @@ token counts megatron's all-to-all dispatcher gathers from the other expert-para
 the counts the fork's static dispatch exchanges) would be whatever the receive buffers held, and
 the received tokens garbage that a few steps later turns the router's weights to NaN.
 
-The two patches here stand in for the expert-parallel exchanges: every other rank of the
+Two patches here stand in for the expert-parallel exchanges: every other rank of the
 expert-parallel group is taken to route exactly as this rank does. An all-gather on that group
 returns this rank's input once per rank; an all-to-all returns, from every peer, the chunk this
 rank sends to itself. The counts are then consistent, and this rank's experts receive exactly the
@@ -16,9 +16,13 @@ rows, counts and probabilities (and, in the backward pass, the gradients) they w
 ranks that route alike: about ``tokens x top-k / experts`` per expert and source rank. What comes
 back from the other ranks' experts in the combine has its real shape, filled with this rank's own
 expert outputs (a CPU test compares both against a real exchange). Every other collective stays
-the fake group's no-op: gradient reductions keep this rank's gradients, parameter all-gathers
-leave the other shards as they were. The patches act only on a group whose backend is ``fake``;
-the first use prints one line saying that the exchanged tokens are stand-ins.
+the fake group's no-op: gradient reductions keep this rank's gradients, and parameter all-gathers
+leave the other shards as they were. torch's fake backend itself copies an all-gather's input
+into every rank's part of its output; a third patch gives the distributed optimizer's parameter
+all-gather nothing to copy, since those copies (the rank's whole parameter buffer at every step)
+are neither compute nor communication of the real rank. The patches act only on a group whose
+backend is ``fake``; the first use prints one line saying that the exchanged tokens are
+stand-ins.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ _said = False
 
 def emulating(args) -> bool:
     return args is not None and bool(getattr(args, "fake_process_group", False))
+
+
+def _fake_group(group) -> bool:
+    """Whether ``group`` (None: the default group) is a group of the fake backend."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    try:
+        return dist.get_backend(group) == "fake"
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _expert_group(group) -> bool:
@@ -154,5 +170,28 @@ def fake_group_all_gather(original):
             size = group.size()
             output.view(size, *input.shape).copy_(input.unsqueeze(0).expand(size, *input.shape))
         return work
+
+    return all_gather_into_tensor
+
+
+@patch(
+    "compat.fake_group_param_all_gather",
+    "megatron.core.distributed.param_and_grad_buffer.dist_all_gather_func",
+    kind="compat",
+    reason="under --fake-process-group torch's fake backend copies an all-gather's input into "
+    "every rank's part of the output: the distributed optimizer's parameter all-gather becomes a "
+    "copy of the rank's whole parameter buffer in each emulated step, which the step-time model "
+    "then counts again as communication; give it nothing to copy, as other collectives move "
+    "nothing",
+    upstream_pr="fork-only (layout emulation on one GPU)",
+    flags=("--fake-process-group",),
+    enabled=emulating,
+)
+def fake_group_param_all_gather(original):
+    def all_gather_into_tensor(output, input, group=None, async_op=False):
+        if _fake_group(group) and not _expert_group(group):
+            # still one (empty) collective: megatron's coalescing manager and handles see a work
+            return original(output.new_empty(0), input.new_empty(0), group=group, async_op=async_op)
+        return original(output, input, group=group, async_op=async_op)
 
     return all_gather_into_tensor
