@@ -59,11 +59,9 @@ def _expert_group(group) -> bool:
     """Whether ``group`` is a fake process group over the expert-parallel ranks (EP, or TP x EP)."""
     import torch.distributed as dist
 
-    if group is None or not dist.is_initialized():
+    if group is None or not _fake_group(group):
         return False
     try:
-        if dist.get_backend(group) != "fake":
-            return False
         from megatron.core import parallel_state
 
         ranks = dist.get_process_group_ranks(group)
