@@ -168,7 +168,8 @@ def test_overflow_reruns_the_step_and_the_run_still_matches(runs, tmp_path):
     reruns = rerun.log_text().count(RERUN)
     print(f"\ncapacity factor 1.0 at EP=2: {reruns} step(s) re-run of {ITERS}")
     assert reruns >= 1
-    assert_same_bits(rerun, runs["det_dynamic_ep2"], "overflow re-runs vs dynamic, EP=2", ITERS)
+    label = f"overflow re-runs vs dynamic, EP=2 ({reruns} re-run lines of {ITERS} steps x 2 ranks)"
+    assert_same_bits(rerun, runs["det_dynamic_ep2"], label, ITERS)
     argv = tiny_argv(
         "--train-iters",
         "6",
