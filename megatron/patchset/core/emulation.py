@@ -186,8 +186,10 @@ def fake_group_all_gather(original):
     enabled=emulating,
 )
 def fake_group_param_all_gather(original):
+    # megatron-core 0.19.2 calls this name only for the distributed optimizer's parameter
+    # all-gather; its group may hold the expert-parallel ranks too (EP = data-parallel size)
     def all_gather_into_tensor(output, input, group=None, async_op=False):
-        if _fake_group(group) and not _expert_group(group):
+        if _fake_group(group):
             # still one (empty) collective: megatron's coalescing manager and handles see a work
             return original(output.new_empty(0), input.new_empty(0), group=group, async_op=async_op)
         return original(output, input, group=group, async_op=async_op)

@@ -1,9 +1,10 @@
 """The layout emulation's patch of the distributed optimizer's parameter all-gather under
 megatron's ``--fake-process-group``: torch's fake backend copies an all-gather's input into every
-rank's part of the output (the rank's whole parameter buffer at each step); with the patch a
-data-parallel all-gather moves nothing, synchronous or coalesced and asynchronous as megatron's
-DDP issues it, while an all-gather over the expert-parallel group still reaches the backend."""
+rank's part of the output (the rank's whole parameter buffer at each step); with the patch the
+parameter all-gather moves nothing, synchronous or coalesced and asynchronous as megatron's DDP
+issues it, also where the data-parallel group holds the same ranks as the expert-parallel one."""
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -12,7 +13,7 @@ from tests.unit.support.cpu_train import free_port
 NAME = "compat.fake_group_param_all_gather"
 
 
-def worker(_, port, out):
+def worker(_, port, out, ep):
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -25,10 +26,10 @@ def worker(_, port, out):
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
     parallel_state.initialize_model_parallel(
-        expert_model_parallel_size=2, create_gloo_process_groups=False
+        expert_model_parallel_size=ep, create_gloo_process_groups=False
     )
     dp = parallel_state.get_data_parallel_group()
-    ep = parallel_state.get_expert_model_parallel_group()
+    ep_group = parallel_state.get_expert_model_parallel_group()
 
     def gather(group, coalesced):
         output = torch.full((group.size(), 3), -1.0)
@@ -42,25 +43,28 @@ def worker(_, port, out):
         return output
 
     seen = {"without": [gather(dp, False), gather(dp, True)]}
+    seen["same_ranks"] = torch.distributed.get_process_group_ranks(
+        dp
+    ) == torch.distributed.get_process_group_ranks(ep_group)
     registry.apply_patches([registry.get(NAME)], check=False)
     try:
         seen["with"] = [gather(dp, False), gather(dp, True)]
-        seen["expert"] = gather(ep, False)
     finally:
         registry.revert([NAME])
     torch.save(seen, out)
     torch.distributed.destroy_process_group()
 
 
-def test_the_data_parallel_all_gather_copies_nothing_under_the_fake_group(tmp_path):
+@pytest.mark.parametrize("ep", [2, 4])
+def test_the_parameter_all_gather_copies_nothing_under_the_fake_group(tmp_path, ep):
     out = str(tmp_path / "seen.pt")
-    mp.spawn(worker, args=(free_port(), out), nprocs=1, join=True)
+    mp.spawn(worker, args=(free_port(), out, ep), nprocs=1, join=True)
     seen = torch.load(out)
+    assert seen["same_ranks"] is (ep == 4)  # EP 4 of 4: data- and expert-parallel ranks alike
     for output in seen["without"]:  # the fake backend's own copies, one per rank of 4
         assert output.shape == (4, 3) and torch.equal(output, torch.arange(3.0).expand(4, 3))
     for output in seen["with"]:
         assert output.eq(-1).all()
-    assert torch.equal(seen["expert"], torch.arange(3.0).expand(2, 3))
 
 
 def test_the_patch_is_listed_for_the_fake_group_only():
