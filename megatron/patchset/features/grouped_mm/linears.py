@@ -172,7 +172,9 @@ class GroupedMMForward:
             zero_tail(out.detach(), offs)  # not saved for backward: no version conflict
             return out, bias
         if isinstance(m_splits, DeviceSplits):
-            m_splits = m_splits.counts
+            return torch_grouped_gemm.grouped_linear_forward(
+                self, x, m_splits.counts, descending=m_splits.descending
+            )
         return torch_grouped_gemm.grouped_linear_forward(self, x, m_splits)
 
 

@@ -102,7 +102,7 @@ def orient_experts(model) -> None:
                 _weights_descending(getattr(experts, name, None))
                 for name in ("linear_fc1", "linear_fc2")
             ]
-            dispatcher.experts_descending = bool(orders) and all(orders)
+            dispatcher.experts_descending = all(orders)
         chunk._patchset_experts_oriented = True
 
 

@@ -498,3 +498,22 @@ def test_descending_row_groups_read_the_weights_in_place_with_the_same_bits(monk
         assert torch.equal(down.main_grad, up.main_grad) and down.grad_added_to_main_grad
     assert list(down_splits) == SPLITS  # megatron's token log reads them in expert order
     assert "descending" in repr(down_splits)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_linear_module_takes_descending_splits_padded_or_not(padded):
+    """The linear's forward reads ``descending`` from its device splits, with or without padding
+    rows: rows grouped from the last expert to the first give each row its own expert's output."""
+    cls = linears.grouped_mm_linear(FakeTEGroupedLinear, "Row")
+    linear = cls(len(SPLITS), IN, OUT)
+    weights = [getattr(linear, f"weight{i}") for i in range(len(SPLITS))]
+    total = sum(SPLITS)
+    starts = [sum(SPLITS[:e]) for e in range(len(SPLITS))]
+    backwards = [
+        i for e in reversed(range(len(SPLITS))) for i in range(starts[e], starts[e] + SPLITS[e])
+    ]
+    x = rows(total)
+    expected = reference(x, SPLITS, weights, rows(total, OUT))[0]
+    splits = linears.DeviceSplits(torch.tensor(SPLITS[::-1]), padded=padded, descending=True)
+    out, _ = linear(x[backwards], splits)
+    close(out, expected[backwards])
