@@ -24,11 +24,15 @@ activation function, then of the layer norms, which replays inside the captured 
 ``MEMORY=moments`` asks for the bf16 moments alone, whatever the budget. Both set
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where the environment does not set it, since
 without it the caching allocator's reserve on an 80 GB card runs out before the allocated peak
-does.
+does. ``CUDNN_NORMS=1`` (the default) runs TransformerEngine's layer norms through cuDNN.
 """
 
 from megatron.patchset.features.memory_budget import flags as memory_budget
 from megatron.patchset.recipes import recipe as r
+
+# TransformerEngine's RMSNorm and LayerNorm forward and backward through cuDNN instead of its own
+# kernels: 1.7% off the step of an emulated Qwen3-30B-A3B rank at EP 8 (docs/benchmarks.md)
+CUDNN_NORMS = (("NVTE_NORM_FWD_USE_CUDNN", "1"), ("NVTE_NORM_BWD_USE_CUDNN", "1"))
 
 _LAYER_GRAPHS = (
     "--cuda-graph-impl",
@@ -79,6 +83,8 @@ def _build(k) -> r.Built:
     env = ()
     if k.memory != "max":
         env = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+    if k.cudnn_norms:
+        env += CUDNN_NORMS
     if k.graphs == "full" and k.ep > 1 and k.a2a_chunks > 1:
         # the all-to-all stream and the experts' stream run at once only on separate hardware
         # queues (one queue, megatron's usual CUDA_DEVICE_MAX_CONNECTIONS=1, serialises them)
@@ -119,6 +125,12 @@ RECIPE = r.Recipe(
             True,
             "each token crosses to an expert-parallel peer once, not once per expert it picked "
             "there (EP > 1 with GRAPHS=full); 0: one row per routed expert",
+        ),
+        r.switch(
+            "CUDNN_NORMS",
+            True,
+            "TransformerEngine's layer norms through cuDNN (NVTE_NORM_FWD_USE_CUDNN=1, "
+            "NVTE_NORM_BWD_USE_CUDNN=1)",
         ),
         r.switch("OPTIMIZER_GRAPH", True, "the optimizer step as a CUDA graph (GRAPHS=full)"),
         r.switch(

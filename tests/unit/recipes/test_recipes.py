@@ -14,6 +14,9 @@ from megatron.patchset.recipes import cli
 from megatron.patchset.recipes.recipe import KnobError, Recipe, choice, switch, whole
 from tests.unit.conftest import ROOT
 
+# the small_batch recipe's default: TransformerEngine's norms through cuDNN
+CUDNN = {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}
+
 SUPPORT = {"recipe", "cli"}
 
 
@@ -92,9 +95,10 @@ def test_small_batch_follows_its_knobs():
     # the two streams need hardware queues of their own
     assert dict(chunked.env) == {
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        **CUDNN,
         "CUDA_DEVICE_MAX_CONNECTIONS": "32",
     }
-    assert not recipes.get("small_batch")(EP=8).env
+    assert dict(recipes.get("small_batch")(EP=8).env) == CUDNN
     assert "--moe-static-dispatch-chunks" not in recipes.flags("small_batch", A2A_CHUNKS=2)
 
 
@@ -117,8 +121,8 @@ def test_small_batch_memory_budget_passes_megatrons_and_the_forks_checks(knobs, 
 
     built = recipes.get("small_batch")(MEMORY=memory, **knobs)
     flags = list(built.flags)
-    assert dict(built.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert not recipes.get("small_batch")(**knobs).env
+    assert dict(built.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **CUDNN}
+    assert dict(recipes.get("small_batch")(**knobs).env) == CUDNN
     assert flags[flags.index("--memory-budget") + 1] == memory
     assert [f for f in flags if f != "--memory-budget" and f != memory] == recipes.flags(
         "small_batch", **knobs
@@ -128,6 +132,17 @@ def test_small_batch_memory_budget_passes_megatrons_and_the_forks_checks(knobs, 
     assert args.memory_budget == memory and args.recompute_granularity is None
     assert not failures(tiny_argv(*flags), world)
     assert not combination_failures(tiny_argv(*flags), world)
+
+
+def test_small_batch_cudnn_norms_sets_transformer_engines_norm_backend():
+    """CUDNN_NORMS (on by default) asks TransformerEngine for cuDNN's norm kernels, forward and
+    backward, as environment defaults; CUDNN_NORMS=0 leaves them to TransformerEngine."""
+    on = recipes.get("small_batch")(EP=8, MEMORY="80G")
+    off = recipes.get("small_batch")(EP=8, MEMORY="80G", CUDNN_NORMS=0)
+    assert dict(on.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **CUDNN}
+    assert dict(off.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert on.flags == off.flags
+    assert not recipes.get("small_batch")(CUDNN_NORMS=0).env
 
 
 @pytest.mark.parametrize("memory", ["80", "80g", "G", "max80G", "0.5.1G"])
@@ -162,7 +177,7 @@ def test_small_batch_memory_moments_asks_for_bf16_moments_alone(knobs):
     from tests.unit.conftest import combination_failures, tiny_argv, validated
 
     moments = recipes.get("small_batch")(MEMORY="moments", **knobs)
-    assert moments.env == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+    assert dict(moments.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **CUDNN}
     assert not {"--recompute-granularity", "--memory-budget"} & set(moments.flags)
     assert {"--adam-moments-dtype", "--exp-avg-dtype"} & set(moments.flags)
     world = int(knobs.get("EP", 1))

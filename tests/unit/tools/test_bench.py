@@ -506,7 +506,10 @@ def test_a_recipe_variant_carries_the_recipes_flags_and_runs_upstream_when_it_is
     from megatron.patchset import recipes
 
     name, flags = bench.parse_recipe("small_batch EP=8")
-    assert name == "small-batch:EP=8" and flags == recipes.flags("small_batch", EP=8)
+    env = ["NVTE_NORM_FWD_USE_CUDNN=1", "NVTE_NORM_BWD_USE_CUDNN=1"]  # its environment first
+    assert name == "small-batch:EP=8" and flags == env + recipes.flags("small_batch", EP=8)
+    name, flags = bench.parse_recipe("small_batch EP=8 CUDNN_NORMS=0")
+    assert flags == recipes.flags("small_batch", EP=8)
     label, flags = bench.parse_recipe("upstream_best")
     assert label == "upstream-best" and bench.is_upstream(label, flags)
     label, flags = bench.parse_recipe("fsdp=fsdp_cuda_graphs GRAPHS=0")
