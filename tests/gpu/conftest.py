@@ -74,7 +74,13 @@ def have_te() -> bool:
 PARTS = {
     4: (
         ("test_train_tiny.py", "features/paged_stash"),
-        ("features/torch_adam", "test_resume.py", "features/offload", "features/dp_grad_scaling"),
+        (
+            "features/torch_adam",
+            "test_resume.py",
+            "features/offload",
+            "features/dp_grad_scaling",
+            "features/triton_swiglu",
+        ),
         (
             "features/grouped_mm",
             "features/fsdp_cuda_graphs",

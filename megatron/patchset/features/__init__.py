@@ -15,6 +15,7 @@ ORDER = (
     "torch_adam",
     "dp_grad_scaling",
     "triton_cross_entropy",
+    "triton_swiglu",
     "offload",
     "memory_budget",
 )
