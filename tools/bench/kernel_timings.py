@@ -3,7 +3,7 @@
 CUDA graph (one GPU; the shapes are the reference config's: 5 layers, 128 experts of 2048 -> 2x768
 -> 2048, 3.72 B parameters in 1,318 tensors).
 
-    python tools/bench/kernel_timings.py [--reps 10]
+    python tools/bench/kernel_timings.py [--reps 10] [--passes NAME ...]
 
 Prints one line per pass:
 
@@ -17,7 +17,11 @@ Prints one line per pass:
 * the whole bf16 step over 1.0 B parameters in the reference config's tensor shapes: torch's fused
   AdamW with ``grad_scale`` plus ``_foreach_copy_`` to bf16 (``--adam-impl torch``) against the
   one Triton kernel (``--adam-impl triton``), with the largest difference of the fp32 parameters
-  after one step and whether the kernel's bf16 parameters are the copy's to the bit.
+  after one step and whether the kernel's bf16 parameters are the copy's to the bit;
+* the experts' probability-weighted SwiGLU, forward and backward over 32,768 rows of 2 x 768 (4096
+  tokens at top-8): megatron-core's compiled functions against the Triton kernels of
+  ``--moe-swiglu-triton``, with the largest difference of the probability gradients and whether
+  each gives the first 32,768 rows the same bits among 40,960 rows (a capacity factor of 1.25).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def graph_ms(fn, reps: int) -> float:
 def weight_gradient_accumulation(reps: int) -> str:
     import torch
 
-    from megatron.patchset.features.grouped_mm import accumulate
+    from megatron.patchset.features.grouped_mm import torch_grouped_gemm
 
     stacks = [
         torch.zeros(EXPERTS, *shape, device="cuda")
@@ -76,7 +80,7 @@ def weight_gradient_accumulation(reps: int) -> str:
 
     def triton_kernel():
         for stack, dw in zip(stacks, grads):
-            accumulate.add_reversed(stack, dw)
+            torch_grouped_gemm.add_reversed(stack, dw)
 
     times = {
         n: graph_ms(f, reps)
@@ -224,23 +228,74 @@ def adam_step_and_copy(reps: int) -> str:
     )
 
 
+def weighted_swiglu(reps: int) -> str:
+    import torch
+    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+    from megatron.patchset.features.triton_swiglu import kernels
+
+    rows, padded, ffn = 4096 * 8, 4096 * 10, EXPERT_SHAPES[1][1]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    y = (2 * torch.randn(padded, 2 * ffn, generator=gen, device="cuda")).to(torch.bfloat16)
+    probs = torch.rand(padded, 1, generator=gen, device="cuda")
+    grad = torch.randn(padded, ffn, generator=gen, device="cuda").to(torch.bfloat16)
+    impls = {
+        "megatron-core's compiled functions": lambda a, p: weighted_bias_swiglu_impl(a, None, p),
+        "the Triton kernels": kernels.weighted_swiglu,
+    }
+
+    def probs_grad(fn, n):
+        a, p = y[:n].clone().requires_grad_(), probs[:n].clone().requires_grad_()
+        return torch.autograd.grad(fn(a, p), (a, p), grad[:n])[1][:rows]
+
+    def forward_backward(fn):
+        a, p = y[:rows].clone().requires_grad_(), probs[:rows].clone().requires_grad_()
+        return lambda: torch.autograd.grad(fn(a, p), (a, p), grad[:rows])
+
+    timed, grads, same = [], [], []
+    for name, fn in impls.items():
+        timed.append(f"{name} {graph_ms(forward_backward(fn), reps):.3f} ms")
+        grads.append(probs_grad(fn, rows))
+        kept = torch.equal(probs_grad(fn, padded), grads[-1])
+        same.append(f"{name} {'the same' if kept else 'other'}")
+    diff = (grads[0] - grads[1]).abs().max().item()
+    return (
+        f"weighted SwiGLU forward + backward, {rows:,} rows of 2 x {ffn} (bf16): "
+        f"{', '.join(timed)}; probability gradients differ by at most {diff:.2e}; the first "
+        f"{rows:,} rows' probability gradients among {padded:,} rows: {', '.join(same)} bits"
+    )
+
+
+PASSES = (
+    weight_gradient_accumulation,
+    main_to_model_copy,
+    adam_with_clip,
+    adam_step_and_copy,
+    weighted_swiglu,
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="tools/bench/kernel_timings.py", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--reps", type=int, default=10, help="Graph replays per timing.")
+    parser.add_argument(
+        "--passes",
+        nargs="+",
+        choices=[measure.__name__ for measure in PASSES],
+        default=[measure.__name__ for measure in PASSES],
+        help="The passes to time (default: all, in this order).",
+    )
     opts = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("tools/bench/kernel_timings.py: needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for measure in (
-        weight_gradient_accumulation,
-        main_to_model_copy,
-        adam_with_clip,
-        adam_step_and_copy,
-    ):
+    for measure in PASSES:
+        if measure.__name__ not in opts.passes:
+            continue
         print(measure(opts.reps), flush=True)
         torch.cuda.empty_cache()
 
