@@ -145,6 +145,24 @@ def test_small_batch_cudnn_norms_sets_transformer_engines_norm_backend():
     assert not recipes.get("small_batch")(CUDNN_NORMS=0).env
 
 
+@pytest.mark.parametrize("graphs", ["full", "layer", "none"])
+def test_small_batch_swiglu_kernels_pass_the_triton_swiglu_and_validate(graphs):
+    """SWIGLU_KERNELS (on by default, in every graph mode) adds --moe-swiglu-triton, which the
+    tiny SwiGLU model validates; SWIGLU_KERNELS=0 leaves megatron's activation."""
+    from tests.unit.conftest import failures, tiny_argv
+
+    on = recipes.get("small_batch")(GRAPHS=graphs)
+    off = recipes.get("small_batch")(GRAPHS=graphs, SWIGLU_KERNELS=0)
+    assert "--moe-swiglu-triton" in on.flags and "--moe-swiglu-triton" not in off.flags
+    assert [f for f in on.flags if f != "--moe-swiglu-triton"] == list(off.flags)
+    assert not failures(tiny_argv(*on.flags))
+    without_swiglu = [a for a in tiny_argv(*on.flags) if a != "--swiglu"]
+    assert "--swiglu (" in failures(without_swiglu)["moe-swiglu-triton-requirements"]
+    assert "moe-swiglu-triton-requirements" not in failures(
+        [a for a in tiny_argv(*off.flags) if a != "--swiglu"]
+    )
+
+
 @pytest.mark.parametrize("memory", ["80", "80g", "G", "max80G", "0.5.1G"])
 def test_small_batch_memory_takes_max_moments_or_a_budget(memory):
     with pytest.raises(KnobError, match=r"MEMORY must be max, moments or <N>G \(got "):
