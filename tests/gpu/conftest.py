@@ -27,6 +27,25 @@ TINY = os.path.join(ROOT, "examples", "configs", "tiny_moe.args")
 UPSTREAM_SCRIPT = os.environ.get(
     "MEGATRON_LM_PRETRAIN_GPT", os.path.join(ROOT, ".upstream", "megatron-lm", "pretrain_gpt.py")
 )
+# The tiny config as the fork's full-iteration recipe runs it on one GPU, without dropout: torch
+# grouped GEMMs with the token counts on the device, the whole forward and backward as one CUDA
+# graph; the tests of a feature that the recipe adds compare runs with and without it.
+FULL_ITERATION_RECIPE = (
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--moe-grouped-gemm-impl",
+    "torch",
+    "--moe-permute-fusion",
+    "--moe-expert-splits-on-device",
+    "--no-check-for-nan-in-loss-and-grad",
+    "--te-rng-tracker",
+    "--cuda-graph-impl",
+    "full_iteration",
+    "--cuda-graph-warmup-steps",
+    "2",
+)
 # Flags under which two runs of the same model are compared bit for bit.
 DETERMINISTIC = (
     "--deterministic-mode",

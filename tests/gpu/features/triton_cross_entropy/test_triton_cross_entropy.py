@@ -10,28 +10,17 @@
 import pytest
 import torch
 
-from tests.gpu.conftest import assert_trains_alike, launch_many, tiny_argv
+from tests.gpu.conftest import (
+    FULL_ITERATION_RECIPE,
+    assert_trains_alike,
+    launch_many,
+    tiny_argv,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
 ITERS = 20
-RECIPE = (
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--moe-grouped-gemm-impl",
-    "torch",
-    "--moe-permute-fusion",
-    "--moe-expert-splits-on-device",
-    "--no-check-for-nan-in-loss-and-grad",
-    "--te-rng-tracker",
-    "--cuda-graph-impl",
-    "full_iteration",
-    "--cuda-graph-warmup-steps",
-    "2",
-    "--cross-entropy-loss-fusion",
-)
+RECIPE = FULL_ITERATION_RECIPE + ("--cross-entropy-loss-fusion",)
 
 
 def test_the_kernels_give_megatrons_fused_loss_and_gradient(one_rank_group):

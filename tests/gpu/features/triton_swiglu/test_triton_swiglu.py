@@ -13,28 +13,18 @@
 import pytest
 import torch
 
-from tests.gpu.conftest import assert_trains_alike, launch_many, tiny_argv
+from tests.gpu.conftest import (
+    FULL_ITERATION_RECIPE,
+    assert_trains_alike,
+    launch_many,
+    tiny_argv,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
 FFN = 768
 ITERS = 20
-RECIPE = (
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--moe-grouped-gemm-impl",
-    "torch",
-    "--moe-permute-fusion",
-    "--moe-expert-splits-on-device",
-    "--no-check-for-nan-in-loss-and-grad",
-    "--te-rng-tracker",
-    "--cuda-graph-impl",
-    "full_iteration",
-    "--cuda-graph-warmup-steps",
-    "2",
-)
+RECIPE = FULL_ITERATION_RECIPE
 
 
 def inputs(rows, seed=0):
