@@ -81,6 +81,7 @@ SERIES = (
     "megatron.patchset.features.fsdp_cuda_graphs.upstream:CHANGE",
     "megatron.patchset.features.grouped_mm.upstream:CHANGE",
     "megatron.patchset.features.dp_grad_scaling.upstream:CHANGE",
+    "megatron.patchset.features.triton_swiglu.upstream:CHANGE",
 )
 
 

@@ -278,6 +278,7 @@ DEFAULTS_OF_NEW_ARGUMENTS = {
     "moe_grouped_gemm_impl": "te",
     "moe_expert_splits_on_device": False,
     "ddp_scale_gradients_in_loss": False,
+    "moe_swiglu_triton": False,
 }
 
 

@@ -54,6 +54,17 @@ def test_the_triton_cross_entropy_tests_pass_on_the_edited_tree(upstream_tests):
     assert "FAILED" in without.of("TestTritonCrossEntropyConfig").values()
 
 
+def test_the_triton_swiglu_tests_pass_on_the_edited_tree(upstream_tests):
+    """The kernels against the weighted SwiGLU's formulas under Triton's interpreter, a row's bits
+    among more rows, and the config; the config's tests fail without the change's edits of
+    TransformerConfig."""
+    edited, without = upstream_tests["edited"], upstream_tests["tests_only"]
+    assert edited.counts("test_fused_weighted_swiglu_triton") == {"PASSED": 10}, edited.output[
+        -3000:
+    ]
+    assert set(without.of("TestMoeSwigluTritonConfig").values()) == {"FAILED"}
+
+
 def test_the_new_help_tests_fail_without_the_code_edit(upstream_tests):
     without = upstream_tests["tests_only"]
     assert without.counts("::TestArgumentGroupFactoryHelpText::") == {"FAILED": 2}, without.output[

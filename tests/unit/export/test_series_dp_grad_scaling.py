@@ -1,7 +1,7 @@
-"""The dp_grad_scaling change of ``export --series`` on the core_r0.19.0 and main snapshots: the
-series' last patch touches upstream's DDP config, DDP, arguments and training loop and adds one
-test file; its upstream tests pass on the edited tree on the CPU (two gloo ranks) and fail without
-the code edits; ``--help`` lists its flag."""
+"""The dp_grad_scaling change of ``export --series`` on the core_r0.19.0 and main snapshots: its
+patch touches upstream's DDP config, DDP, arguments and training loop and adds one test file; its
+upstream tests pass on the edited tree on the CPU (two gloo ranks) and fail without the code edits;
+``--help`` lists its flag."""
 
 import re
 
@@ -14,12 +14,11 @@ pytestmark = snapshots.MARKS
 TESTS = r"test_ddp_scale_gradients_in_loss\.py::"
 
 
-def test_the_patch_is_the_last_and_touches_what_it_names(series):
-    names = [change.name for change in changes.series()]
-    assert names[-1] == upstream.CHANGE.name
-    log = snapshots.git(series.edited, "log", "-1", "--format=%s").stdout.strip()
-    assert log == upstream.CHANGE.subject
-    text = open(series.patches[-1]).read()
+def test_the_patch_applies_in_its_place_and_touches_what_it_names(series):
+    index = [change.name for change in changes.series()].index(upstream.CHANGE.name)
+    subjects = snapshots.git(series.edited, "log", "--format=%s").stdout.splitlines()[::-1]
+    assert subjects[1 + index] == upstream.CHANGE.subject  # after the snapshot's own commit
+    text = open(series.patches[index]).read()
     touched = re.findall(r"^\+\+\+ b/(\S+)$", text, re.M)
     assert sorted(touched) == sorted(upstream.CHANGE.paths())
     added = [line for line in text.splitlines() if line[:1] == "+" and line[:3] != "+++"]

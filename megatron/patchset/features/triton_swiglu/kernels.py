@@ -18,10 +18,9 @@ inputs' dtypes.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
-
-from megatron.patchset.core.triton_kernels import triton_runs_on
 
 try:  # module globals: Triton's interpreter patches the ``tl`` its kernels' module holds
     import triton
@@ -68,15 +67,7 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["rows"])
     def backward_kernel(
-        g,
-        y,
-        p,
-        dy,
-        dp,
-        rows,
-        ffn: tl.constexpr,
-        BLOCK_ROWS: tl.constexpr,
-        BLOCK_COLS: tl.constexpr,
+        g, y, p, dy, dp, rows, ffn: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
     ):
         row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_ok = row < rows
@@ -101,6 +92,14 @@ def _kernels():
         tl.store(dp + row, tl.reduce(lanes, 1, _add).to(dp.dtype.element_ty), mask=row_ok)
 
     return forward_kernel, backward_kernel
+
+
+def available(device) -> bool:
+    """Whether the kernels run on ``device``: CUDA with Triton, or any device under Triton's
+    interpreter (``TRITON_INTERPRET=1``)."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class WeightedSwiGLU(torch.autograd.Function):
@@ -150,7 +149,7 @@ def weighted_swiglu(y: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"weighted SwiGLU: {probs.numel()} probabilities for {y.shape[0]} rows; one per row"
         )
-    if not triton_runs_on(y.device):
+    if not available(y.device):
         raise RuntimeError(
             f"triton weighted SwiGLU: no Triton kernel runs on {y.device} (a CUDA device, or "
             "TRITON_INTERPRET=1)"

@@ -4,7 +4,6 @@ the grouped experts."""
 from __future__ import annotations
 
 from megatron.patchset.core.registry import patch
-from megatron.patchset.core.triton_kernels import triton_runs_on
 from megatron.patchset.features.triton_swiglu import flags, kernels
 
 
@@ -15,7 +14,7 @@ def triton_for_weighted(original):
     a device without Triton."""
 
     def weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False):
-        if bias is not None or fp8_input_store or not triton_runs_on(input.device):
+        if bias is not None or fp8_input_store or not kernels.available(input.device):
             return original(input, bias, weights, fp8_input_store)
         shape = input.shape
         if len(shape) not in (2, 3):
