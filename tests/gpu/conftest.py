@@ -86,20 +86,14 @@ def have_te() -> bool:
 # The tier in 4 parts of under 8 minutes each on one H200, by the files' times there: the tiny
 # trainings (over 300 s); torch_adam's training comparisons (about 200 s) and the resume
 # recipes (about 150 s); grouped_mm (about 100 s) and the compile-heavy fsdp_cuda_graphs and
-# torch_compile; the export (about 60 s), static_dispatch, the Triton loss. The files of two-GPU
-# tests, which skip on one GPU, are spread over the parts. Entries are paths under tests/gpu (a
-# file, or a folder and everything in it); a file that no entry names goes to the last part.
-# Another M deals the files out by a hash of their path.
+# torch_compile; the export (about 60 s), static_dispatch, the Triton loss and the Triton SwiGLU
+# (about 70 s). The files of two-GPU tests, which skip on one GPU, are spread over the parts.
+# Entries are paths under tests/gpu (a file, or a folder and everything in it); a file that no
+# entry names goes to the last part. Another M deals the files out by a hash of their path.
 PARTS = {
     4: (
         ("test_train_tiny.py", "features/paged_stash"),
-        (
-            "features/torch_adam",
-            "test_resume.py",
-            "features/offload",
-            "features/dp_grad_scaling",
-            "features/triton_swiglu",
-        ),
+        ("features/torch_adam", "test_resume.py", "features/offload", "features/dp_grad_scaling"),
         (
             "features/grouped_mm",
             "features/fsdp_cuda_graphs",
@@ -111,6 +105,7 @@ PARTS = {
             "test_export_series.py",
             "features/static_dispatch",
             "features/triton_cross_entropy",
+            "features/triton_swiglu",
             "features/flex_dispatch",
         ),
     ),
