@@ -43,7 +43,7 @@ def test_other_graph_modes_leave_the_counts_on_the_host(graphs):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (
         "fork features enabled: grouped_mm (--moe-grouped-gemm-impl torch); dp_grad_scaling "
-        "(--ddp-scale-grads-in-loss)\n" in proc.stdout
+        "(--ddp-scale-grads-in-loss); triton_swiglu (--moe-swiglu-triton)\n" in proc.stdout
     )
     assert "splits_on_device" not in proc.stdout
     assert "micro-batches per step ............ 1 (global 4, micro 4)" in proc.stdout
