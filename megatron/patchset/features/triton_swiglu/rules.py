@@ -19,6 +19,7 @@ from megatron.patchset.features.triton_swiglu.flags import FLAG, requested
         "--disable-bias-linear",
         "--use-te-activation-func",
         "--moe-apply-probs-on-input",
+        "--use-transformer-engine-op-fuser",
         COMPILE_FLAG,
     ),
 )
@@ -44,6 +45,11 @@ def _moe_swiglu_triton(args):
         problems.append(
             "no --moe-apply-probs-on-input (the probabilities then scale the input, not the "
             "activation)"
+        )
+    if getattr(args, "use_transformer_engine_op_fuser", False):
+        problems.append(
+            "no --use-transformer-engine-op-fuser (TE's fused grouped MLP computes the activation "
+            "itself)"
         )
     if getattr(args, "compile_transformer_layers", False):
         problems.append(

@@ -68,8 +68,9 @@ CHANGE = UpstreamChange(
 
         TransformerConfig.moe_swiglu_triton (default False) selects the kernels where
         TEGroupedMLP.forward calls weighted_bias_swiglu_impl; __post_init__ refuses it without
-        bias_activation_fusion and a SwiGLU, with bias, an fp8 input store, a clamp value, or
-        moe_apply_probs_on_input.""",
+        bias_activation_fusion and a SwiGLU, with bias, an fp8 input store, a clamp value,
+        moe_apply_probs_on_input, or use_transformer_engine_op_fuser (whose fused grouped MLP
+        computes the activation itself).""",
     figures="""
         One H200, torch 2.11.0+cu130, TransformerEngine 2.20.2, 2026-11-28. Forward and backward
         over 32,768 rows of 2 x 768 (4096 tokens at top-8), replayed as a CUDA graph: 0.121 ms
@@ -127,12 +128,14 @@ CHANGE = UpstreamChange(
             and not self.activation_func_fp8_input_store
             and self.activation_func_clamp_value is None
             and not self.moe_apply_probs_on_input
+            and not self.use_transformer_engine_op_fuser
         ):
             raise ValueError(
                 "moe_swiglu_triton replaces the fused weighted SwiGLU of the grouped experts: it "
                 "needs bias_activation_fusion, activation_func=F.silu with gated_linear_unit, and "
                 "no add_bias_linear, activation_func_fp8_input_store, "
-                "activation_func_clamp_value or moe_apply_probs_on_input."
+                "activation_func_clamp_value, moe_apply_probs_on_input or "
+                "use_transformer_engine_op_fuser."
             )
 
         if self.fused_residual_rmsnorm:

@@ -135,4 +135,6 @@ def test_the_rule_names_what_the_kernels_need():
     assert "--swiglu (" in got and "--disable-bias-linear (" in got
     got = failures(tiny_argv(FLAG, "--compile-transformer-layers"))
     assert "--compile-transformer-layers (" in got.get(RULE, ""), got
+    got = failures(tiny_argv(FLAG, "--use-transformer-engine-op-fuser"))
+    assert "--use-transformer-engine-op-fuser (" in got.get(RULE, ""), got
     assert RULE not in failures(tiny_argv("--no-bias-swiglu-fusion"))

@@ -92,6 +92,7 @@ class TestMoeSwigluTritonConfig:
             dict(add_bias_linear=True),
             dict(moe_apply_probs_on_input=True),
             dict(activation_func_clamp_value=7.0),
+            dict(use_transformer_engine_op_fuser=True),
         ],
     )
     def test_what_the_kernels_do_not_cover_is_refused(self, kwargs):
