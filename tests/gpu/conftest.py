@@ -344,6 +344,17 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+def launch_variants(tmp_path, variants: dict, iters: int, nproc: int = 1):
+    """Every variant of ``variants`` (``{name: flags}``) on the tiny config for ``iters``
+    iterations on ``nproc`` GPUs, all started at once (:func:`launch_many`); ``{name: Run}``."""
+    argv = {
+        name: tiny_argv("--train-iters", str(iters), *flags) for name, flags in variants.items()
+    }
+    return launch_many(
+        [dict(tmp_path=tmp_path, name=name, nproc=nproc, argv=a) for name, a in argv.items()]
+    )
+
+
 def tiny_argv(*extra):
 
     return argsfile.read(TINY) + list(extra)

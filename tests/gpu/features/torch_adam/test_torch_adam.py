@@ -16,7 +16,7 @@
 import pytest
 import torch
 
-from tests.gpu.conftest import assert_trains_alike, launch_many, tiny_argv
+from tests.gpu.conftest import assert_trains_alike, launch_variants, tiny_argv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
 
@@ -119,12 +119,7 @@ def runs(tmp_path_factory):
         "torch_graphs": RECIPE + TORCH + GRAPHS,
         "triton_graphs": RECIPE + TRITON + GRAPHS,
     }
-    return launch_many(
-        [
-            dict(tmp_path=tmp, name=n, nproc=1, argv=tiny_argv("--train-iters", str(ITERS), *f))
-            for n, f in variants.items()
-        ]
-    )
+    return launch_variants(tmp, variants, ITERS)
 
 
 def close(ours, reference, label):

@@ -13,8 +13,7 @@ import torch
 from tests.gpu.conftest import (
     FULL_ITERATION_RECIPE,
     assert_trains_alike,
-    launch_many,
-    tiny_argv,
+    launch_variants,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
@@ -49,12 +48,7 @@ def test_the_kernels_give_megatrons_fused_loss_and_gradient(one_rank_group):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("triton_cross_entropy")
     variants = {"megatron": RECIPE, "triton": RECIPE + ("--cross-entropy-triton",)}
-    return launch_many(
-        [
-            dict(tmp_path=tmp, name=n, nproc=1, argv=tiny_argv("--train-iters", str(ITERS), *f))
-            for n, f in variants.items()
-        ]
-    )
+    return launch_variants(tmp, variants, ITERS)
 
 
 def test_training_with_the_kernels_is_training_with_megatrons_fused_loss(runs):

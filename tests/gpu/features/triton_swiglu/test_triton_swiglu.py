@@ -16,8 +16,7 @@ import torch
 from tests.gpu.conftest import (
     FULL_ITERATION_RECIPE,
     assert_trains_alike,
-    launch_many,
-    tiny_argv,
+    launch_variants,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
@@ -82,12 +81,7 @@ def test_a_row_has_the_same_bits_among_any_number_of_rows():
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("triton_swiglu")
     variants = {"megatron": RECIPE, "triton": RECIPE + ("--moe-swiglu-triton",)}
-    return launch_many(
-        [
-            dict(tmp_path=tmp, name=n, nproc=1, argv=tiny_argv("--train-iters", str(ITERS), *f))
-            for n, f in variants.items()
-        ]
-    )
+    return launch_variants(tmp, variants, ITERS)
 
 
 def test_training_with_the_kernels_is_training_with_megatrons_activation(runs):
