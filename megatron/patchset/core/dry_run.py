@@ -280,6 +280,8 @@ def _build_and_split(args: argparse.Namespace, config) -> tuple[int, int]:
         overlap_moe_expert_parallel_comm=False,
         delay_wgrad_compute=False,
         ep_overlap_early_attn_memory_release=False,
+        # the MoE layer's weight-gradient stream and event hold no parameters and need a GPU
+        overlap_dispatch_backward_with_experts_wgrad=False,
         # CUDA graphs hold no parameters; megatron's local ones need the GPU and the RNG tracker
         # of a launch to be built
         cuda_graph_impl="none",

@@ -5,7 +5,8 @@ counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slot
 (``--moe-static-dispatch``, by default with ``--moe-static-dispatch-dedup``: a token crosses
 once to each peer that hosts one of its experts, ``DEDUP=0`` sends one row per routed expert;
 ``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose all-to-alls overlap the
-experts of another chunk). With ``GRAPHS=full`` megatron replays the whole
+experts of another chunk; ``WGRAD_OVERLAP=1`` computes the experts' weight gradients beside the
+dispatch's backward all-to-all). With ``GRAPHS=full`` megatron replays the whole
 forward and backward as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer
 step as a second (``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the
 Triton cross entropy. DDP's ``1 / data-parallel size`` is applied to the loss gradient instead of
@@ -83,6 +84,9 @@ def _build(k) -> r.Built:
             flags += ["--adam-impl", "triton", "--cross-entropy-triton"]
     elif k.graphs == "layer":
         flags += list(_LAYER_GRAPHS)
+    if k.wgrad_overlap and k.ep > 1:
+        # the experts' weight gradients beside the dispatch's backward all-to-all
+        flags += ["--overlap-dispatch-backward-with-experts-wgrad"]
     if k.swiglu_kernels:
         # the experts' weighted SwiGLU as Triton kernels: 1.7% off the step of an emulated
         # Qwen3-30B-A3B rank at EP 8, and the same bits for capacity-padded and exact inputs
@@ -132,6 +136,12 @@ RECIPE = r.Recipe(
             True,
             "each token crosses to an expert-parallel peer once, not once per expert it picked "
             "there (EP > 1 with GRAPHS=full); 0: one row per routed expert",
+        ),
+        r.switch(
+            "WGRAD_OVERLAP",
+            False,
+            "the experts' weight gradients on a side stream beside the dispatch's backward "
+            "all-to-all (--overlap-dispatch-backward-with-experts-wgrad; EP > 1)",
         ),
         r.switch(
             "CUDNN_NORMS",

@@ -163,6 +163,8 @@ class GroupedMMForward:
     def forward(self, x, m_splits):
         from megatron.patchset.features.grouped_mm import torch_grouped_gemm
 
+        if getattr(self, "delay_wgrad_compute", False):
+            return self._forward_with_delayed_wgrad(x, m_splits)
         if isinstance(m_splits, DeviceSplits) and m_splits.padded:
             offs = group_offsets(m_splits, x.device)
             x = _zero_tail_function().apply(x.contiguous(), offs)
@@ -176,6 +178,32 @@ class GroupedMMForward:
                 self, x, m_splits.counts, descending=m_splits.descending
             )
         return torch_grouped_gemm.grouped_linear_forward(self, x, m_splits)
+
+    def _forward_with_delayed_wgrad(self, x, m_splits):
+        """The same GEMMs with the weight gradient left to :meth:`backward_dw` (megatron sets
+        ``delay_wgrad_compute`` with ``--overlap-dispatch-backward-with-experts-wgrad``)."""
+        from megatron.patchset.features.grouped_mm import delayed_wgrad, torch_grouped_gemm
+
+        weights = torch_grouped_gemm.expert_weights(self)
+        offs = group_offsets(m_splits, x.device)
+        device_splits = isinstance(m_splits, DeviceSplits)
+        if device_splits and m_splits.descending:
+            weights = weights[::-1]
+        padded = device_splits and m_splits.padded
+        if padded:
+            x = _zero_tail_function().apply(x.contiguous(), offs)
+        fuse_accumulation = hasattr(weights[0], "grad_added_to_main_grad")
+        out = delayed_wgrad.forward(self, x, offs, weights, fuse_accumulation, padded)
+        self.is_first_microbatch = False
+        return out, None
+
+    def backward_dw(self):
+        """The weight gradients kept by the backward passes since the last call (megatron's MoE
+        layer calls this after the dispatch's backward all-to-all); nothing without
+        ``delay_wgrad_compute``."""
+        from megatron.patchset.features.grouped_mm import delayed_wgrad
+
+        delayed_wgrad.backward_dw(self)
 
 
 _announced: set = set()

@@ -33,6 +33,7 @@ from megatron.patchset.features.grouped_mm.flags import (
         "--disable-bias-linear",
         "--delay-wgrad-compute",
         "--overlap-dispatch-backward-with-experts-wgrad",
+        "--overlap-grad-reduce",
         "--use-transformer-engine-op-fuser",
         "--moe-single-grouped-weight",
         "--use-megatron-fsdp",
@@ -66,10 +67,17 @@ def _grouped_gemm_impl_torch(args):
         problems.append("no --fp8-format/--fp4-format (quantized expert GEMMs stay TE's)")
     if args.add_bias_linear:
         problems.append("--disable-bias-linear (expert biases are not implemented)")
-    if args.delay_wgrad_compute or args.overlap_dispatch_backward_with_experts_wgrad:
+    if args.delay_wgrad_compute:
         problems.append(
-            "no --delay-wgrad-compute / --overlap-dispatch-backward-with-experts-wgrad (the "
-            "deferred weight gradient is TE's; these GEMMs compute it in backward)"
+            "no --delay-wgrad-compute (its deferred weight gradients of the attention and the "
+            "1F1B all-to-all overlap are TE's); --overlap-dispatch-backward-with-experts-wgrad "
+            "defers the experts' weight gradients of these GEMMs"
+        )
+    if args.overlap_dispatch_backward_with_experts_wgrad and args.overlap_grad_reduce:
+        problems.append(
+            "no --overlap-grad-reduce with --overlap-dispatch-backward-with-experts-wgrad (DDP's "
+            "hook marks the expert weights ready before their deferred weight gradients are "
+            "added, and their bucket could start reducing first)"
         )
     if args.use_transformer_engine_op_fuser:
         problems.append(

@@ -1,0 +1,129 @@
+"""The experts' weight gradients behind the dispatch's backward all-to-all, for the torch grouped
+GEMMs (megatron's ``--overlap-dispatch-backward-with-experts-wgrad``).
+
+megatron-core 0.19.2 implements the flag for TransformerEngine's ``GroupedLinear`` only: its
+linears keep the weight gradient out of the backward pass (``delay_wgrad_compute``), and the MoE
+layer computes it in ``backward_dw()`` on a side stream, after it has issued the dispatch's
+backward all-to-all. Between the experts' data gradients and the attention's backward the rank
+would otherwise wait for the all-to-all with nothing to compute; with the flag the weight-gradient
+GEMMs fill that wait.
+
+Here the same contract holds for the torch grouped GEMMs. In a linear whose
+``delay_wgrad_compute`` megatron set:
+
+* the forward runs the grouped GEMM on detached weights, so its backward computes the data
+  gradient only, and then :class:`_DeferWeightGradient`, an identity on the output whose backward
+  keeps the output gradient and the saved input for later;
+* to the weights autograd hands what the immediate path hands them (a dummy for megatron's DDP,
+  which then skips its own add), so DDP's hooks see the same calls;
+* ``backward_dw()`` (megatron's MoE layer calls it on ``linear_fc2`` and then ``linear_fc1``)
+  computes the kept weight gradients with the same call and the same operands as the immediate
+  path, into the main grads or ``.grad``, in the order they were kept.
+
+The weight gradients are the same bits as without the flag. Only their time moves: after
+DDP's hook for the expert weights has run, which is why the flag is refused with
+``--overlap-grad-reduce`` (its bucket could start reducing before the add).
+"""
+
+from __future__ import annotations
+
+import functools
+
+_PENDING = "_patchset_pending_wgrads"
+
+
+@functools.cache
+def _defer_function():
+    import torch
+
+    class _DeferWeightGradient(torch.autograd.Function):
+        """Identity on the grouped GEMM's output ``y``; the backward keeps ``dy`` for
+        ``backward_dw()`` and hands the weights what the immediate path hands them."""
+
+        @staticmethod
+        def forward(ctx, y, x, offs, module, fuse_accumulation, *weights):
+            ctx.save_for_backward(x, offs)
+            ctx.module = module
+            ctx.fuse_accumulation = fuse_accumulation
+            ctx.weights = weights
+            return y.view_as(y)
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, offs = ctx.saved_tensors
+            weights, module = ctx.weights, ctx.module
+            ctx.weights = ctx.module = None
+            grads = [None] * len(weights)
+            if any(ctx.needs_input_grad[5:]):
+                getattr(module, _PENDING).append(
+                    (dy.contiguous(), x, offs, weights, ctx.fuse_accumulation)
+                )
+                if ctx.fuse_accumulation:
+                    grads = _ddp_placeholders(weights)
+            return (dy, None, None, None, None, *grads)
+
+    return _DeferWeightGradient
+
+
+def _ddp_placeholders(weights) -> list:
+    """What the immediate path returns for weights whose gradient goes into ``main_grad``: the
+    flag that DDP's hook reads, and a dummy gradient for AccumulateGrad to hand it."""
+    from megatron.patchset.features.grouped_mm import torch_grouped_gemm
+
+    grads = []
+    for weight in weights:
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+            grads.append(
+                torch_grouped_gemm._dummy_grad(
+                    weight, zero=getattr(weight, "zero_out_wgrad", False)
+                )
+            )
+        else:
+            grads.append(None)
+    return grads
+
+
+def forward(module, x, offs, weights, fuse_accumulation: bool, padded: bool = False):
+    """The grouped linear ``x -> [x_e @ W_e.T]_e`` (rows of expert ``e`` ending at ``offs[e]``)
+    with its weight gradient kept for ``backward_dw()``. ``padded``: ``x`` has zero rows after the
+    last expert's, and so has the output."""
+    from megatron.patchset.features.grouped_mm import torch_grouped_gemm
+    from megatron.patchset.features.grouped_mm.tail import zero_tail
+
+    pending = getattr(module, _PENDING, None)
+    if pending is None:
+        pending = []
+        setattr(module, _PENDING, pending)
+    elif pending and module.training:
+        import torch
+
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "--overlap-dispatch-backward-with-experts-wgrad: the experts' weight gradients of "
+                f"an earlier backward pass of {type(module).__name__} were never computed "
+                "(backward_dw() did not run); megatron's MoE layer calls it after the dispatch's "
+                "backward all-to-all"
+            )
+    x = x.contiguous()
+    y = torch_grouped_gemm.grouped_mm_with_offsets(
+        x, offs, [w.detach() for w in weights], fuse_accumulation
+    )
+    if padded:  # grouped_mm leaves them unwritten; y is not saved for backward
+        zero_tail(y.detach(), offs)
+    return _defer_function().apply(y, x, offs, module, fuse_accumulation, *weights)
+
+
+def backward_dw(module) -> None:
+    """The weight gradients kept since the last call, in the order of the backward passes that kept
+    them, on the current stream."""
+    from megatron.patchset.features.grouped_mm import torch_grouped_gemm
+
+    pending = getattr(module, _PENDING, None)
+    while pending:
+        dy, x, offs, weights, fuse_accumulation = pending.pop(0)
+        grads = torch_grouped_gemm.weight_gradients(dy, x, offs, weights, fuse_accumulation)
+        if fuse_accumulation:
+            continue
+        for weight, grad in zip(weights, grads):
+            weight.grad = grad if weight.grad is None else weight.grad + grad

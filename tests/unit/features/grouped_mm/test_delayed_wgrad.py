@@ -1,0 +1,182 @@
+"""--overlap-dispatch-backward-with-experts-wgrad with the torch grouped GEMMs: the backward pass
+computes the data gradient only, ``backward_dw()`` adds the same weight-gradient bits later, and
+megatron's TEGroupedMLP reaches the linears' ``backward_dw``."""
+
+import copy
+
+import pytest
+import torch
+
+from megatron.patchset.features.grouped_mm import linears
+from tests.unit.conftest import failures, tiny_argv
+from tests.unit.features.grouped_mm.conftest import (
+    IN,
+    OUT,
+    SPLITS,
+    FakeTEGroupedLinear,
+    grouped_mlp,
+    rows,
+)
+
+
+def pair(role="Column", ddp=True):
+    """Two linears with the same weights, the second with megatron's ``delay_wgrad_compute``;
+    with ``ddp`` each weight carries fp32 main grads (0.5) laid out as DDP's buffer."""
+    cls = linears.grouped_mm_linear(FakeTEGroupedLinear, role)
+    now = cls(len(SPLITS), IN, OUT)
+    later = copy.deepcopy(now)
+    later.delay_wgrad_compute = True
+    for linear in (now, later):
+        if ddp:
+            buffer = torch.full((len(SPLITS), OUT, IN), 0.5)
+            for i in range(len(SPLITS)):
+                weight = getattr(linear, f"weight{i}")
+                weight.main_grad = buffer[len(SPLITS) - 1 - i]
+                weight.grad_added_to_main_grad = False
+    return now, later
+
+
+def weights(linear):
+    return [getattr(linear, f"weight{i}") for i in range(linear.num_gemms)]
+
+
+def splits_cases():
+    total = sum(SPLITS)
+    return {
+        "host list": (list(SPLITS), total),
+        "device, padded, descending": (
+            linears.DeviceSplits(torch.tensor(SPLITS[::-1]), padded=True, descending=True),
+            total + 6,
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(splits_cases()))
+def test_backward_dw_adds_the_same_bits_into_main_grad_after_the_backward_pass(case):
+    splits, m = splits_cases()[case]
+    now, later = pair()
+    outputs = {}
+    for seed in (1, 3):  # two micro-batches accumulate into the same main grads
+        x = rows(m, seed=seed)
+        if isinstance(splits, linears.DeviceSplits):
+            x[sum(SPLITS) :] = 0  # the static dispatch's zero rows after the last expert's
+        dy = rows(m, OUT, seed=seed + 1)
+        for name, linear in (("now", now), ("later", later)):
+            xi = x.clone().requires_grad_(True)
+            out, _ = linear(xi, splits)
+            out.backward(dy)
+            outputs[name] = (out.detach(), xi.grad)
+        before = [w.main_grad.clone() for w in weights(later)]
+        assert torch.equal(outputs["now"][0], outputs["later"][0])
+        assert torch.equal(outputs["now"][1], outputs["later"][1])
+        for w, old in zip(weights(later), before):
+            # DDP's hook got what the immediate path hands it, and nothing was added yet.
+            assert w.grad_added_to_main_grad is True and w.grad is not None
+            assert torch.equal(w.main_grad, old)
+        later.backward_dw()
+        for w_now, w_later in zip(weights(now), weights(later)):
+            assert torch.equal(w_now.main_grad, w_later.main_grad)
+    assert any(
+        not torch.equal(w.main_grad, torch.full_like(w.main_grad, 0.5)) for w in weights(now)
+    )
+    later.backward_dw()  # nothing kept: a second call adds nothing
+    for w_now, w_later in zip(weights(now), weights(later)):
+        assert torch.equal(w_now.main_grad, w_later.main_grad)
+
+
+def test_without_ddp_backward_dw_writes_grad():
+    now, later = pair(role="Row", ddp=False)
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    for step in range(2):
+        before = [None if w.grad is None else w.grad.clone() for w in weights(later)]
+        for linear in (now, later):
+            linear(x, SPLITS)[0].backward(dy)
+        for w, old in zip(weights(later), before):
+            assert (w.grad is None) if step == 0 else torch.equal(w.grad, old)
+        later.backward_dw()
+    for w_now, w_later in zip(weights(now), weights(later)):
+        assert w_now.grad is not None and torch.equal(w_now.grad, w_later.grad)
+
+
+def test_a_forward_after_a_backward_without_backward_dw_is_a_clear_error():
+    _, later = pair()
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    later(x, SPLITS)[0].backward(dy)
+    with pytest.raises(RuntimeError, match="backward_dw\\(\\) did not run"):
+        later(x, SPLITS)
+    with torch.no_grad():  # evaluation keeps nothing and checks nothing
+        later(x, SPLITS)
+    later.backward_dw()
+    later(x, SPLITS)
+
+
+def test_megatrons_grouped_mlp_backward_dw_reaches_both_linears():
+    """TEGroupedMLP.backward_dw calls linear_fc2's and then linear_fc1's: with the linears'
+    weight gradients delayed, the experts' parameter gradients after it equal the immediate ones."""
+    mlp_now = grouped_mlp(SPLITS)
+    mlp_later = copy.deepcopy(mlp_now)
+    for linear in (mlp_later.linear_fc1, mlp_later.linear_fc2):
+        linear.delay_wgrad_compute = True
+    x = rows(sum(SPLITS))
+    probs = torch.rand(sum(SPLITS), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for name, mlp in (("now", mlp_now), ("later", mlp_later)):
+        out, _ = mlp(x, torch.tensor(SPLITS), probs)
+        out.float().square().sum().backward()
+        if name == "later":
+            assert all(p.grad is None for p in mlp.parameters())
+            mlp.backward_dw()
+        grads[name] = [p.grad for p in mlp.parameters()]
+    assert len(grads["now"]) == 2 * len(SPLITS)
+    for g_now, g_later in zip(grads["now"], grads["later"]):
+        assert torch.equal(g_now, g_later)
+
+
+TORCH = ("--moe-grouped-gemm-impl", "torch")
+RULE = "moe-grouped-gemm-impl-torch-requirements"
+
+
+def test_rule_takes_the_flag_and_refuses_it_with_overlapped_grad_reduce():
+    flag = "--overlap-dispatch-backward-with-experts-wgrad"
+    assert RULE not in failures(tiny_argv(*TORCH, flag))
+    refused = failures(tiny_argv(*TORCH, flag, "--overlap-grad-reduce"))[RULE]
+    assert "no --overlap-grad-reduce with --overlap-dispatch-backward-with-experts-wgrad" in refused
+
+
+def test_rule_refuses_delay_wgrad_compute_and_names_the_flag_that_works():
+    refused = failures(tiny_argv(*TORCH, "--delay-wgrad-compute"))[RULE]
+    assert "no --delay-wgrad-compute" in refused
+    assert "--overlap-dispatch-backward-with-experts-wgrad defers" in refused
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["ep1", "ep2"])
+def test_megatrons_moe_layer_computes_the_delayed_weight_gradients_with_the_same_bits(
+    tmp_path, world_size
+):
+    """megatron's MoELayer with the flag: after its dispatch's backward all-to-all it calls
+    ``backward_dw`` once per backward pass, nothing stays pending, and output, input gradient and
+    every parameter gradient equal the immediate run's bit for bit (two gloo ranks at EP 2)."""
+    import torch.multiprocessing as mp
+
+    from tests.unit.features.grouped_mm import delayed_wgrad_worker
+    from tests.unit.support.cpu_train import free_port
+
+    out = str(tmp_path / "delayed")
+    mp.spawn(
+        delayed_wgrad_worker.worker,
+        args=(world_size, free_port(), out),
+        nprocs=world_size,
+        join=True,
+    )
+    for rank in range(world_size):
+        result = torch.load(f"{out}.rank{rank}.pt")
+        now, later = result[False], result[True]
+        assert now["backward_dw_calls"] == []
+        assert later["backward_dw_calls"] == [{"routed_experts": True, "shared_experts": False}] * 2
+        assert later["pending"] == [0, 0]
+        assert torch.equal(now["out"], later["out"])
+        assert torch.equal(now["hidden_grad"], later["hidden_grad"])
+        assert now["grads"].keys() == later["grads"].keys()
+        assert any(name.startswith("experts.linear_fc1.weight") for name in now["grads"])
+        for name, grad in now["grads"].items():
+            assert torch.equal(grad, later["grads"][name]), f"rank {rank}: {name}"
