@@ -11,7 +11,9 @@ per-expert row offsets as a device tensor and does each of the three in one laun
 The GEMMs, the weight-gradient accumulation into DDP's main grads and the stacking of the expert
 weights are :mod:`.torch_grouped_gemm`, the module the upstream change adds as
 ``megatron/core/transformer/moe/torch_grouped_gemm.py`` (upstream routes to it from
-``TEGroupedLinear.forward``). Here :class:`GroupedMMForward` replaces only ``forward`` of megatron's
+``TEGroupedLinear.forward``). Here :class:`GroupedMMForward` replaces only ``forward`` (and
+``backward_dw``, for megatron's ``--overlap-dispatch-backward-with-experts-wgrad``:
+:mod:`.delayed_wgrad`) of megatron's
 ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (as subclasses, see
 :func:`grouped_mm_linear`), and the two registry patches rebind the names that
 ``TESpecProvider.grouped_mlp_modules`` looks up when the layer spec is built. Parameters, their
