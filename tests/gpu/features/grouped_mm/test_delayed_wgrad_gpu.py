@@ -11,35 +11,22 @@ same run without it bit for bit (losses and gradient norms):
 
 import pytest
 
-from tests.gpu.conftest import assert_same_bits, gpu_count, launch_many, tiny_argv
+from tests.gpu.conftest import (
+    DETERMINISTIC,
+    GROUPED_MM_GRAPHED,
+    assert_same_bits,
+    gpu_count,
+    launch_many,
+    tiny_argv,
+)
 
 pytestmark = pytest.mark.gpu
 
 ITERS = 12
 FLAG = ("--overlap-dispatch-backward-with-experts-wgrad",)
-BASE = (
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--deterministic-mode",
-    "--te-rng-tracker",
-    "--moe-grouped-gemm-impl",
-    "torch",
-    "--moe-permute-fusion",
-    "--no-check-for-nan-in-loss-and-grad",
-    "--moe-swiglu-triton",
-)
-STATIC_GRAPH = (
-    "--moe-expert-splits-on-device",
-    "--moe-static-dispatch",
-    "--cuda-graph-impl",
-    "full_iteration",
-    "--cuda-graph-warmup-steps",
-    "2",
-    "--logging-level",
-    "20",
-)
+BASE = DETERMINISTIC + ("--no-check-for-nan-in-loss-and-grad", "--moe-swiglu-triton")
+TORCH_GEMMS = ("--moe-grouped-gemm-impl", "torch", "--moe-permute-fusion")
+STATIC_GRAPH = GROUPED_MM_GRAPHED + ("--moe-static-dispatch", "--logging-level", "20")
 EP2 = ("--expert-model-parallel-size", "2")
 DEDUP = ("--moe-static-dispatch-dedup", "--moe-static-dispatch-capacity-factor", "1.25")
 CAPTURED = "CUDA graph capture done for training"
@@ -47,7 +34,7 @@ CAPTURED = "CUDA graph capture done for training"
 # name: (GPUs, flags without the flag under test)
 PAIRS = {
     "static_graph_1gpu": (1, STATIC_GRAPH),
-    "dynamic_ep2": (2, EP2),
+    "dynamic_ep2": (2, TORCH_GEMMS + EP2),
     "static_dedup_graph_ep2": (2, STATIC_GRAPH + DEDUP + EP2),
 }
 
