@@ -50,6 +50,8 @@ def _defer_function():
 
         @staticmethod
         def backward(ctx, dy):
+            from megatron.patchset.features.grouped_mm import torch_grouped_gemm
+
             x, offs = ctx.saved_tensors
             weights, module = ctx.weights, ctx.module
             ctx.weights = ctx.module = None
@@ -59,29 +61,10 @@ def _defer_function():
                     (dy.contiguous(), x, offs, weights, ctx.fuse_accumulation)
                 )
                 if ctx.fuse_accumulation:
-                    grads = _ddp_placeholders(weights)
+                    grads = torch_grouped_gemm.main_grad_placeholders(weights)
             return (dy, None, None, None, None, *grads)
 
     return _DeferWeightGradient
-
-
-def _ddp_placeholders(weights) -> list:
-    """What the immediate path returns for weights whose gradient goes into ``main_grad``: the
-    flag that DDP's hook reads, and a dummy gradient for AccumulateGrad to hand it."""
-    from megatron.patchset.features.grouped_mm import torch_grouped_gemm
-
-    grads = []
-    for weight in weights:
-        if hasattr(weight, "grad_added_to_main_grad"):
-            weight.grad_added_to_main_grad = True
-            grads.append(
-                torch_grouped_gemm._dummy_grad(
-                    weight, zero=getattr(weight, "zero_out_wgrad", False)
-                )
-            )
-        else:
-            grads.append(None)
-    return grads
 
 
 def forward(module, x, offs, weights, fuse_accumulation: bool, padded: bool = False):

@@ -311,6 +311,13 @@ def weight_gradients(
             # back to a launch per expert. One cast keeps them on the multi-tensor path.
             parts = list(dw.to(main_grads[0].dtype).unbind(0))
             _foreach_copy_or_add(overwrite, main_grads, parts)
+    return main_grad_placeholders(weights)
+
+
+def main_grad_placeholders(weights: Sequence[torch.Tensor]) -> list:
+    """What autograd hands each weight whose gradient goes into ``main_grad``: the flag DDP's hook
+    reads (``grad_added_to_main_grad``) is set and a dummy gradient makes the hook fire; None for
+    weights without the flag."""
     grads = []
     for weight in weights:
         if hasattr(weight, "grad_added_to_main_grad"):
