@@ -67,33 +67,35 @@ def _defer_function():
     return _DeferWeightGradient
 
 
-def forward(module, x, offs, weights, fuse_accumulation: bool, padded: bool = False):
-    """The grouped linear ``x -> [x_e @ W_e.T]_e`` (rows of expert ``e`` ending at ``offs[e]``)
-    with its weight gradient kept for ``backward_dw()``. ``padded``: ``x`` has zero rows after the
-    last expert's, and so has the output."""
+def grouped_linear_forward(module, x, offs, descending: bool, padded: bool):
+    """The grouped linear of ``module``'s ``weight{i}`` over ``x`` (rows of expert ``e`` ending at
+    ``offs[e]``; from the last expert to the first with ``descending``) with its weight gradient
+    kept for ``backward_dw()``. ``padded``: ``x`` has zero rows after the last expert's, and so has
+    the output."""
+    import torch
+
     from megatron.patchset.features.grouped_mm import torch_grouped_gemm
     from megatron.patchset.features.grouped_mm.tail import zero_tail
 
-    pending = getattr(module, _PENDING, None)
-    if pending is None:
-        pending = []
-        setattr(module, _PENDING, pending)
-    elif pending and module.training:
-        import torch
-
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "--overlap-dispatch-backward-with-experts-wgrad: the experts' weight gradients of "
-                f"an earlier backward pass of {type(module).__name__} were never computed "
-                "(backward_dw() did not run); megatron's MoE layer calls it after the dispatch's "
-                "backward all-to-all"
-            )
+    pending = module.__dict__.setdefault(_PENDING, [])
+    if pending and module.training and torch.is_grad_enabled():
+        raise RuntimeError(
+            "--overlap-dispatch-backward-with-experts-wgrad: the experts' weight gradients of an "
+            f"earlier backward pass of {type(module).__name__} were never computed "
+            "(backward_dw() did not run); megatron's MoE layer calls it after the dispatch's "
+            "backward all-to-all"
+        )
+    weights = torch_grouped_gemm.expert_weights(module)
+    if descending:
+        weights = weights[::-1]
+    fuse_accumulation = hasattr(weights[0], "grad_added_to_main_grad")
     x = x.contiguous()
     y = torch_grouped_gemm.grouped_mm_with_offsets(
         x, offs, [w.detach() for w in weights], fuse_accumulation
     )
     if padded:  # grouped_mm leaves them unwritten; y is not saved for backward
         zero_tail(y.detach(), offs)
+    module.is_first_microbatch = False
     return _defer_function().apply(y, x, offs, module, fuse_accumulation, *weights)
 
 

@@ -163,41 +163,24 @@ class GroupedMMForward:
         _announce(type(self).__name__, num_gemms, input_size, output_size)
 
     def forward(self, x, m_splits):
-        from megatron.patchset.features.grouped_mm import torch_grouped_gemm
-
-        if getattr(self, "delay_wgrad_compute", False):
-            return self._forward_with_delayed_wgrad(x, m_splits)
-        if isinstance(m_splits, DeviceSplits) and m_splits.padded:
-            offs = group_offsets(m_splits, x.device)
-            x = _zero_tail_function().apply(x.contiguous(), offs)
-            out, bias = torch_grouped_gemm.grouped_linear_forward(
-                self, x, None, offs=offs, descending=m_splits.descending
-            )
-            zero_tail(out.detach(), offs)  # not saved for backward: no version conflict
-            return out, bias
-        if isinstance(m_splits, DeviceSplits):
-            return torch_grouped_gemm.grouped_linear_forward(
-                self, x, m_splits.counts, descending=m_splits.descending
-            )
-        return torch_grouped_gemm.grouped_linear_forward(self, x, m_splits)
-
-    def _forward_with_delayed_wgrad(self, x, m_splits):
-        """The same GEMMs with the weight gradient left to :meth:`backward_dw` (megatron sets
-        ``delay_wgrad_compute`` with ``--overlap-dispatch-backward-with-experts-wgrad``)."""
         from megatron.patchset.features.grouped_mm import delayed_wgrad, torch_grouped_gemm
 
-        weights = torch_grouped_gemm.expert_weights(self)
         offs = group_offsets(m_splits, x.device)
         device_splits = isinstance(m_splits, DeviceSplits)
-        if device_splits and m_splits.descending:
-            weights = weights[::-1]
+        descending = device_splits and m_splits.descending
         padded = device_splits and m_splits.padded
         if padded:
             x = _zero_tail_function().apply(x.contiguous(), offs)
-        fuse_accumulation = hasattr(weights[0], "grad_added_to_main_grad")
-        out = delayed_wgrad.forward(self, x, offs, weights, fuse_accumulation, padded)
-        self.is_first_microbatch = False
-        return out, None
+        if getattr(self, "delay_wgrad_compute", False):
+            # megatron sets it with --overlap-dispatch-backward-with-experts-wgrad: the weight
+            # gradient waits for backward_dw
+            return delayed_wgrad.grouped_linear_forward(self, x, offs, descending, padded), None
+        out, bias = torch_grouped_gemm.grouped_linear_forward(
+            self, x, None, offs=offs, descending=descending
+        )
+        if padded:
+            zero_tail(out.detach(), offs)  # not saved for backward: no version conflict
+        return out, bias
 
     def backward_dw(self):
         """The weight gradients kept by the backward passes since the last call (megatron's MoE
