@@ -57,7 +57,7 @@ def compare(runs, name):
     if gpu_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
     delayed, immediate = runs[name + "_delayed"], runs[name]
-    if "cuda-graph-impl" in " ".join(PAIRS[name][1]):
+    if "--cuda-graph-impl" in PAIRS[name][1]:
         assert CAPTURED in delayed.log_text()
     assert_same_bits(delayed, immediate, f"{name}: delayed vs immediate expert wgrad", ITERS)
 

@@ -14,6 +14,7 @@ from tests.unit.features.grouped_mm.conftest import (
     OUT,
     SPLITS,
     FakeTEGroupedLinear,
+    ddp_main_grads,
     grouped_mlp,
     rows,
 )
@@ -26,13 +27,9 @@ def pair(role="Column", ddp=True):
     now = cls(len(SPLITS), IN, OUT)
     later = copy.deepcopy(now)
     later.delay_wgrad_compute = True
-    for linear in (now, later):
-        if ddp:
-            buffer = torch.full((len(SPLITS), OUT, IN), 0.5)
-            for i in range(len(SPLITS)):
-                weight = getattr(linear, f"weight{i}")
-                weight.main_grad = buffer[len(SPLITS) - 1 - i]
-                weight.grad_added_to_main_grad = False
+    if ddp:
+        for linear in (now, later):
+            ddp_main_grads(weights(linear))
     return now, later
 
 
