@@ -46,6 +46,16 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
+def parse_mb(text: str) -> float:
+    try:
+        mb = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size in MB") from exc
+    if not mb > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive size")
+    return mb
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tools/bench/overlap_probe.py",
@@ -54,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mb",
-        type=float,
+        type=parse_mb,
         default=None,
         help="MB (2^20 bytes) each piece of work moves; per peer under torchrun. "
         "Default: 256 on one GPU, 16 under torchrun.",

@@ -16,13 +16,17 @@ def test_the_table_has_one_line_per_row():
     assert lines[2] == "| sm-kernel | 149 | 328 | 438 | 478 | 40 |"
 
 
-def test_sm_counts_are_checked():
+def test_sizes_and_sm_counts_are_checked():
     parse = overlap_probe.build_parser().parse_args
     assert parse(["--green-sms", "112,66"]).green_sms == [112, 66]
     assert parse(["--green-sms", ""]).green_sms == []
     for bad in ("0", "a", "12,-1"):
         with pytest.raises(SystemExit):
             parse(["--green-sms", bad])
+    assert parse(["--mb", "16"]).mb == 16.0
+    for bad in ("0", "-4", "x", "nan"):
+        with pytest.raises(SystemExit):
+            parse(["--mb", bad])
 
 
 def test_it_says_it_needs_a_gpu(monkeypatch, capsys):
