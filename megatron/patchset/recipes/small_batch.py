@@ -2,17 +2,17 @@
 
 The experts run as one grouped GEMM each for forward, dgrad and wgrad with the per-expert token
 counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slots
-(``--moe-static-dispatch``, by default with ``--moe-static-dispatch-dedup``: a token crosses
-once to each peer that hosts one of its experts, ``DEDUP=0`` sends one row per routed expert;
-``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose all-to-alls overlap the
-experts of another chunk; ``WGRAD_OVERLAP=1`` computes the experts' weight gradients beside the
-dispatch's backward all-to-all). With ``GRAPHS=full`` megatron replays the whole
-forward and backward as one CUDA graph (``--cuda-graph-impl full_iteration``) and the optimizer
-step as a second (``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the
-Triton cross entropy. DDP's ``1 / data-parallel size`` is applied to the loss gradient instead of
-the whole gradient buffer (``--ddp-scale-grads-in-loss``). Megatron's NaN check and its level-1/2
-timers synchronise inside the step, so they are off under the capture (the fork's rules refuse them
-otherwise).
+(``--moe-static-dispatch``, by default with ``--moe-static-dispatch-dedup``: a token crosses once
+to each peer that hosts one of its experts, ``DEDUP=0`` sends one row per routed expert;
+``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose all-to-alls overlap the experts of
+another chunk; ``WGRAD_OVERLAP=1`` computes the experts' weight gradients beside the dispatch's
+backward all-to-all; ``DP_OVERLAP=1`` passes megatron's data-parallel overlap flags). With
+``GRAPHS=full`` megatron replays the whole forward and backward as one CUDA graph
+(``--cuda-graph-impl full_iteration``) and the optimizer step as a second
+(``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the Triton cross entropy.
+DDP's ``1 / data-parallel size`` is applied to the loss gradient instead of the whole gradient
+buffer (``--ddp-scale-grads-in-loss``). Megatron's NaN check and its level-1/2 timers synchronise
+inside the step, so they are off under the capture (the fork's rules refuse them otherwise).
 
 ``MEMORY`` trades a little speed for memory. ``MEMORY=<N>G`` names the GPU's memory (``80G`` for
 an 80 GB H100, ``141G`` for an H200) and passes ``--memory-budget``: after megatron's argument
@@ -84,6 +84,12 @@ def _build(k) -> r.Built:
             flags += ["--adam-impl", "triton", "--cross-entropy-triton"]
     elif k.graphs == "layer":
         flags += list(_LAYER_GRAPHS)
+    if k.dp_overlap:
+        # megatron's data-parallel overlap: each gradient bucket's reduction starts in the backward
+        # pass and, under the distributed optimizer, each parameter bucket's gather in the forward
+        flags += ["--overlap-grad-reduce"]
+        if dist_opt:
+            flags += ["--overlap-param-gather"]
     if k.wgrad_overlap and k.ep > 1:
         # the experts' weight gradients beside the dispatch's backward all-to-all
         flags += ["--overlap-dispatch-backward-with-experts-wgrad"]
@@ -142,6 +148,13 @@ RECIPE = r.Recipe(
             False,
             "the experts' weight gradients on a side stream beside the dispatch's backward "
             "all-to-all (--overlap-dispatch-backward-with-experts-wgrad; EP > 1)",
+        ),
+        r.switch(
+            "DP_OVERLAP",
+            False,
+            "megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed "
+            "optimizer: the data-parallel gradient reduction runs during the backward pass and the "
+            "parameter gather during the forward (not with WGRAD_OVERLAP=1)",
         ),
         r.switch(
             "CUDNN_NORMS",

@@ -236,3 +236,26 @@ def test_the_recipes_page_is_the_generated_one():
     assert page == cli.markdown(), (
         "docs/recipes.md is stale: python -m megatron.patchset recipe --markdown > docs/recipes.md"
     )
+
+
+def test_small_batch_dp_overlap_passes_megatrons_data_parallel_overlap():
+    """DP_OVERLAP=1 adds megatron's --overlap-grad-reduce, and --overlap-param-gather with the
+    distributed optimizer; the flags validate at EP 2, and the weight-gradient overlap's rule
+    refuses the combination with WGRAD_OVERLAP=1."""
+    from tests.unit.conftest import combination_failures, failures, tiny_argv, validated
+
+    overlap = ["--overlap-grad-reduce", "--overlap-param-gather"]
+    on = recipes.flags("small_batch", EP=2, DIST_OPT=1, DP_OVERLAP=1)
+    off = recipes.flags("small_batch", EP=2, DIST_OPT=1)
+    assert set(overlap) <= set(on) and not set(overlap) & set(off)
+    assert [f for f in on if f not in overlap] == off
+    without_dist_opt = recipes.flags("small_batch", DIST_OPT=0, DP_OVERLAP=1)
+    assert "--overlap-grad-reduce" in without_dist_opt
+    assert "--overlap-param-gather" not in without_dist_opt
+    args = validated(tiny_argv(*on), world_size=2)
+    assert args.overlap_grad_reduce and args.overlap_param_gather
+    assert not failures(tiny_argv(*on), 2)
+    assert not combination_failures(tiny_argv(*on), 2)
+    both = recipes.flags("small_batch", EP=2, DIST_OPT=1, DP_OVERLAP=1, WGRAD_OVERLAP=1)
+    refused = failures(tiny_argv(*both), 2)["moe-grouped-gemm-impl-torch-requirements"]
+    assert "--overlap-grad-reduce" in refused
