@@ -93,7 +93,13 @@ def have_te() -> bool:
 PARTS = {
     4: (
         ("test_train_tiny.py", "features/paged_stash"),
-        ("features/torch_adam", "test_resume.py", "features/offload", "features/dp_grad_scaling"),
+        (
+            "features/torch_adam",
+            "test_resume.py",
+            "test_dp_overlap.py",
+            "features/offload",
+            "features/dp_grad_scaling",
+        ),
         (
             "features/grouped_mm",
             "features/fsdp_cuda_graphs",
