@@ -167,28 +167,31 @@ def _cuda_stream(stream):
 
 def one_gpu_rows(probe: Probe, mb: float, green_sms: list[int]) -> list[tuple]:
     torch = probe.torch
-    n = int(mb * 2**20) // 4
-    src = torch.randn(n, device="cuda")
+    elems = int(mb * 2**20) // 4
+    src = torch.randn(elems, device="cuda")
     dst = torch.empty_like(src)
-    host = torch.empty(n, pin_memory=True)
+    host = torch.empty(elems, pin_memory=True)
+
+    def sm_kernel():
+        torch.mul(src, 1.0001, out=dst)
+
     rows = [
-        probe.pair("sm-kernel", lambda: torch.mul(src, 1.0001, out=dst)),
+        probe.pair("sm-kernel", sm_kernel),
         probe.pair("device-copy", lambda: dst.copy_(src)),
         probe.pair("host-copy", lambda: host.copy_(src, non_blocking=True)),
     ]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    device = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     from torch.cuda.green_contexts import GreenContext
 
     for count in green_sms:
         if count >= sms:
             continue
         # the contexts live as long as their streams are used
-        contexts = [
-            GreenContext.create(n, torch.cuda.current_device()) for n in (count, sms - count)
-        ]
+        contexts = [GreenContext.create(share, device) for share in (count, sms - count)]
         streams = [_cuda_stream(context.Stream()) for context in contexts]
         work = f"GEMM on {count} SMs, sm-kernel on {sms - count}"
-        rows.append(probe.pair(work, lambda: torch.mul(src, 1.0001, out=dst), streams))
+        rows.append(probe.pair(work, sm_kernel, streams))
         torch.cuda.synchronize()
         del streams, contexts
     return rows
