@@ -16,8 +16,8 @@
 #   DRY_RUN=1 bash examples/pretrain_moe_small_batch.sh               # check the flags, no GPU
 #
 # Every knob is an environment variable with a default: the recipe's knobs (GRAPHS, EP,
-# CAPACITY_FACTOR, A2A_CHUNKS, DEDUP, WGRAD_OVERLAP, DP_OVERLAP, CUDNN_NORMS, SWIGLU_KERNELS,
-# OPTIMIZER_GRAPH, KERNELS, DIST_OPT, MEMORY;
+# CAPACITY_FACTOR, A2A_CHUNKS, DEDUP, WGRAD_OVERLAP, WGRAD_SMS, DP_OVERLAP, CUDNN_NORMS,
+# SWIGLU_KERNELS, OPTIMIZER_GRAPH, KERNELS, DIST_OPT, MEMORY;
 # `python -m megatron.patchset recipe --list`)
 # and the run's: CONFIG, NGPUS, MICRO_BATCH, GLOBAL_BATCH, TRAIN_ITERS. DATA_PATH is megatron's
 # --data-path (a prefix, or a blend "0.3 /data/a 0.7 /data/b"); unset, the config's mock data. With

@@ -1,6 +1,6 @@
 """Which work runs beside the experts' grouped GEMM on this GPU.
 
-    python tools/bench/overlap_probe.py [--mb 256] [--green-sms 124,112,66]
+    python tools/bench/overlap_probe.py [--mb 256] [--green-sms 124,112,66] [--sm-carveout 20,32]
     torchrun --standalone --nproc-per-node 2 tools/bench/overlap_probe.py [--mb 16]
 
 torch's grouped GEMM (``torch.nn.functional.grouped_mm``) in the weight-gradient form of the
@@ -15,13 +15,17 @@ On one GPU:
 - ``device-copy``: ``copy_`` of ``--mb`` MB within the GPU;
 - ``host-copy``: ``copy_`` of ``--mb`` MB into pinned host memory, which the copy engines move;
 - for each ``--green-sms N``: the GEMM on a green context of N SMs and ``sm-kernel`` on one of
-  the other SMs (torch's ``torch.cuda.green_contexts``).
+  the other SMs (torch's ``torch.cuda.green_contexts``);
+- for each ``--sm-carveout N``: ``sm-kernel`` beside the GEMM launched with N SMs left out of its
+  grid (torch's ``torch._C._set_sm_carveout_experimental``, which its grouped GEMM reads when it
+  sizes its persistent grid); the GEMM alone is timed with the same carve-out.
 
 Under torchrun, with ``--mb`` MB for each peer:
 
 - ``nccl-all-to-all``: ``torch.distributed.all_to_all_single``;
 - ``peer-copies``: each rank copies its part for every peer into that peer's buffer (torch's
-  symmetric memory) and the ranks then meet at the buffer's barrier.
+  symmetric memory) and the ranks then meet at the buffer's barrier;
+- for each ``--sm-carveout N``: ``nccl-all-to-all`` beside the GEMM that leaves N SMs out.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ def parse_counts(text: str) -> list[int]:
     if min(counts, default=1) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected positive SM counts")
     return counts
+
+
+def carveout_label(work: str, carveout: int) -> str:
+    return f"{work}, GEMM leaving {carveout} SMs"
 
 
 def parse_mb(text: str) -> float:
@@ -75,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[124, 112, 100, 66],
         help="SM counts of the GEMM's green context (one GPU only; empty: none). "
         "Default: 124,112,100,66.",
+    )
+    p.add_argument(
+        "--sm-carveout",
+        type=parse_counts,
+        default=[16, 20, 24, 32],
+        help="SMs the GEMM's grid leaves free, one row each (empty: none). Default: 16,20,24,32.",
     )
     p.add_argument(
         "--iters", type=argsfile.at_least(1), default=20, help="timed runs. Default: 20."
@@ -115,11 +129,17 @@ class Probe:
         self.dy = torch.randn(ROWS, OUT_FEATURES, device=dev, dtype=torch.bfloat16)
         step = ROWS // EXPERTS
         self.offs = torch.arange(1, EXPERTS + 1, device=dev, dtype=torch.int32) * step
+        self.carveout = None  # SMs the GEMM's grid leaves free (None: torch's default, none)
 
     def gemm(self):
         import torch.nn.functional as F
 
-        return F.grouped_mm(self.dy.t(), self.x, offs=self.offs)
+        before = self.torch._C._get_sm_carveout_experimental()
+        self.torch._C._set_sm_carveout_experimental(self.carveout)
+        try:
+            return F.grouped_mm(self.dy.t(), self.x, offs=self.offs)
+        finally:
+            self.torch._C._set_sm_carveout_experimental(before)
 
     def time(self, parts: list, streams: list | None = None) -> float:
         """Microseconds from the start of all ``parts`` (each on its own stream) to their end."""
@@ -153,6 +173,17 @@ class Probe:
         alone = self.time([part], work_streams)
         return row(work, alone, gemm, self.time([self.gemm, part], streams))
 
+    def carved(self, work: str, part, carveouts: list[int]) -> list[tuple]:
+        """``pair`` with the GEMM leaving each of ``carveouts`` SMs out of its grid."""
+        rows = []
+        for carveout in carveouts:
+            self.carveout = carveout
+            try:
+                rows.append(self.pair(carveout_label(work, carveout), part))
+            finally:
+                self.carveout = None
+        return rows
+
 
 def _cuda_stream(stream):
     """A green context's stream as a ``torch.cuda.Stream``."""
@@ -165,7 +196,9 @@ def _cuda_stream(stream):
     )
 
 
-def one_gpu_rows(probe: Probe, mb: float, green_sms: list[int]) -> list[tuple]:
+def one_gpu_rows(
+    probe: Probe, mb: float, green_sms: list[int], carveouts: list[int]
+) -> list[tuple]:
     torch = probe.torch
     elems = int(mb * 2**20) // 4
     src = torch.randn(elems, device="cuda")
@@ -180,6 +213,7 @@ def one_gpu_rows(probe: Probe, mb: float, green_sms: list[int]) -> list[tuple]:
         probe.pair("device-copy", lambda: dst.copy_(src)),
         probe.pair("host-copy", lambda: host.copy_(src, non_blocking=True)),
     ]
+    rows += probe.carved("sm-kernel", sm_kernel, carveouts)
     device = torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     from torch.cuda.green_contexts import GreenContext
@@ -197,7 +231,7 @@ def one_gpu_rows(probe: Probe, mb: float, green_sms: list[int]) -> list[tuple]:
     return rows
 
 
-def peer_rows(probe: Probe, mb: float) -> list[tuple]:
+def peer_rows(probe: Probe, mb: float, carveouts: list[int]) -> list[tuple]:
     torch = probe.torch
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
@@ -220,6 +254,7 @@ def peer_rows(probe: Probe, mb: float) -> list[tuple]:
         handle.barrier(channel=1)
 
     rows = [probe.pair("nccl-all-to-all", nccl), probe.pair("peer-copies", copies)]
+    rows += probe.carved("nccl-all-to-all", nccl, carveouts)
     nccl()
     copies()
     torch.cuda.synchronize()
@@ -242,10 +277,10 @@ def main(argv=None) -> int:
     probe = Probe(opts.warmup, opts.iters, distributed)
     mb = opts.mb if opts.mb is not None else (16.0 if distributed else 256.0)
     if distributed:
-        rows = peer_rows(probe, mb)
+        rows = peer_rows(probe, mb, opts.sm_carveout)
         where = f"{torch.distributed.get_world_size()}x {torch.cuda.get_device_name()}"
     else:
-        rows = one_gpu_rows(probe, mb, opts.green_sms)
+        rows = one_gpu_rows(probe, mb, opts.green_sms, opts.sm_carveout)
         where = torch.cuda.get_device_name()
     if not distributed or torch.distributed.get_rank() == 0:
         size = f"{mb:g} MB" + (" per peer" if distributed else "")

@@ -6,7 +6,8 @@ counts kept on the GPU; at EP > 1 the all-to-all moves tokens in fixed-size slot
 to each peer that hosts one of its experts, ``DEDUP=0`` sends one row per routed expert;
 ``A2A_CHUNKS=N`` splits each MoE layer into N token chunks whose all-to-alls overlap the experts of
 another chunk; ``WGRAD_OVERLAP=1`` computes the experts' weight gradients beside the dispatch's
-backward all-to-all; ``DP_OVERLAP=1`` passes megatron's data-parallel overlap flags). With
+backward all-to-all, and ``WGRAD_SMS=N`` leaves N SMs out of those GEMMs for the all-to-all;
+``DP_OVERLAP=1`` passes megatron's data-parallel overlap flags). With
 ``GRAPHS=full`` megatron replays the whole forward and backward as one CUDA graph
 (``--cuda-graph-impl full_iteration``) and the optimizer step as a second
 (``--optimizer-cuda-graph``); ``KERNELS=1`` adds the one-kernel Adam and the Triton cross entropy.
@@ -93,6 +94,10 @@ def _build(k) -> r.Built:
     if k.wgrad_overlap and k.ep > 1:
         # the experts' weight gradients beside the dispatch's backward all-to-all
         flags += ["--overlap-dispatch-backward-with-experts-wgrad"]
+    if k.wgrad_sms:
+        # NCCL's thread blocks cannot share an SM with the grouped GEMM's; the rule refuses it
+        # without the overlap above
+        flags += ["--moe-wgrad-sm-carveout", str(k.wgrad_sms)]
     if k.swiglu_kernels:
         # the experts' weighted SwiGLU as Triton kernels: 1.7% off the step of an emulated
         # Qwen3-30B-A3B rank at EP 8, and the same bits for capacity-padded and exact inputs
@@ -148,6 +153,13 @@ RECIPE = r.Recipe(
             False,
             "the experts' weight gradients on a side stream beside the dispatch's backward "
             "all-to-all (--overlap-dispatch-backward-with-experts-wgrad; EP > 1)",
+        ),
+        r.whole(
+            "WGRAD_SMS",
+            0,
+            "with WGRAD_OVERLAP=1: SMs the experts' weight-gradient GEMMs leave to the all-to-all "
+            "(--moe-wgrad-sm-carveout); 0: all SMs to the GEMMs",
+            minimum=0,
         ),
         r.switch(
             "DP_OVERLAP",

@@ -259,3 +259,19 @@ def test_small_batch_dp_overlap_passes_megatrons_data_parallel_overlap():
     both = recipes.flags("small_batch", EP=2, DIST_OPT=1, DP_OVERLAP=1, WGRAD_OVERLAP=1)
     refused = failures(tiny_argv(*both), 2)["moe-grouped-gemm-impl-torch-requirements"]
     assert "--overlap-grad-reduce" in refused
+
+
+def test_small_batch_wgrad_sms_leaves_sms_to_the_all_to_all():
+    """WGRAD_SMS=N passes --moe-wgrad-sm-carveout N, which validates with WGRAD_OVERLAP=1 at EP 2
+    and is refused, naming the flag it needs, without it."""
+    from tests.unit.conftest import failures, tiny_argv, validated
+
+    on = recipes.flags("small_batch", EP=2, DIST_OPT=1, WGRAD_OVERLAP=1, WGRAD_SMS=24)
+    off = recipes.flags("small_batch", EP=2, DIST_OPT=1, WGRAD_OVERLAP=1)
+    assert on[on.index("--moe-wgrad-sm-carveout") + 1] == "24"
+    assert [f for f in on if f not in ("--moe-wgrad-sm-carveout", "24")] == off
+    assert validated(tiny_argv(*on), world_size=2).moe_wgrad_sm_carveout == 24
+    assert not failures(tiny_argv(*on), 2)
+    alone = recipes.flags("small_batch", EP=2, DIST_OPT=1, WGRAD_SMS=24)
+    refused = failures(tiny_argv(*alone), 2)["moe-wgrad-sm-carveout-requirements"]
+    assert "--overlap-dispatch-backward-with-experts-wgrad" in refused

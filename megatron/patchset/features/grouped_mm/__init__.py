@@ -12,7 +12,12 @@ from megatron.patchset.features.grouped_mm import flags
 
 
 def _in_use(args) -> list[str]:
-    return [f"{flags.FLAG} torch"] + ([flags.SPLITS_FLAG] if flags.splits_on_device(args) else [])
+    carveout = flags.wgrad_sm_carveout(args)
+    return (
+        [f"{flags.FLAG} torch"]
+        + ([flags.SPLITS_FLAG] if flags.splits_on_device(args) else [])
+        + ([f"{flags.CARVEOUT_FLAG} {carveout}"] if carveout else [])
+    )
 
 
 FEATURE = Feature(
@@ -24,7 +29,7 @@ FEATURE = Feature(
     "InferenceGroupedMLP)",
     status="not yet verified on 2 GPUs",
     modules=(f"{__name__}.rules", f"{__name__}.linears", f"{__name__}.device_splits"),
-    flags=(flags.FLAG, flags.SPLITS_FLAG),
+    flags=(flags.FLAG, flags.SPLITS_FLAG, flags.CARVEOUT_FLAG),
     add_arguments=flags.add_arguments,
     in_use=_in_use,
 )

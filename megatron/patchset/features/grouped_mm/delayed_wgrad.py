@@ -23,10 +23,17 @@ Here the same contract holds for the torch grouped GEMMs. In a linear whose
 The weight gradients are the same bits as without the flag. Only their time moves: after
 DDP's hook for the expert weights has run, which is why the flag is refused with
 ``--overlap-grad-reduce`` (its bucket could start reducing before the add).
+
+torch's grouped GEMM is a persistent kernel with one thread block per SM, and NCCL's thread blocks
+cannot share an SM with one of them, so the all-to-all mostly waits for the GEMM.
+``--moe-wgrad-sm-carveout N`` launches these GEMMs on N fewer SMs (torch's SM carve-out, which
+sizes the grid; the tiles and their sums are the same, and so are the bits), leaving the
+all-to-all SMs of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 _PENDING = "_patchset_pending_wgrads"
@@ -99,16 +106,64 @@ def grouped_linear_forward(module, x, offs, descending: bool, padded: bool):
     return _defer_function().apply(y, x, offs, module, fuse_accumulation, *weights)
 
 
+def requested_carveout() -> int:
+    """``--moe-wgrad-sm-carveout`` of the run (megatron's parsed arguments; 0 outside a run)."""
+    from megatron.patchset.features.grouped_mm import flags
+
+    try:
+        from megatron.training.global_vars import get_args
+
+        return flags.wgrad_sm_carveout(get_args())
+    except (AssertionError, ImportError):  # no parsed arguments: not inside megatron's training
+        return 0
+
+
+@contextlib.contextmanager
+def sm_carveout(sms: int, device):
+    """torch's GEMMs launched inside leave ``sms`` SMs of ``device`` out of their grid."""
+    import torch
+
+    if not sms or torch.device(device).type != "cuda":
+        yield
+        return
+
+    from megatron.patchset.core.errors import PatchsetError
+    from megatron.patchset.features.grouped_mm.flags import CARVEOUT_FLAG
+
+    get = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    put = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if get is None or put is None:
+        raise PatchsetError(
+            f"{CARVEOUT_FLAG} {sms}: torch {torch.__version__} has no SM carve-out "
+            "(torch._C._set_sm_carveout_experimental); use torch 2.11 or drop the flag"
+        )
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms >= total:
+        raise PatchsetError(
+            f"{CARVEOUT_FLAG} {sms} leaves no SM to the GEMMs: this GPU has {total}. "
+            "Use fewer (NCCL's all-to-all takes about 20 to 32)."
+        )
+    before = get()
+    put(sms)
+    try:
+        yield
+    finally:
+        put(before)
+
+
 def backward_dw(module) -> None:
     """The weight gradients kept since the last call, in the order of the backward passes that kept
-    them, on the current stream."""
+    them, on the current stream, with ``--moe-wgrad-sm-carveout`` SMs left out of their GEMMs."""
     from megatron.patchset.features.grouped_mm import torch_grouped_gemm
 
     pending = getattr(module, _PENDING, None)
-    while pending:
-        dy, x, offs, weights, fuse_accumulation = pending.pop(0)
-        grads = torch_grouped_gemm.weight_gradients(dy, x, offs, weights, fuse_accumulation)
-        if fuse_accumulation:
-            continue
-        for weight, grad in zip(weights, grads):
-            weight.grad = grad if weight.grad is None else weight.grad + grad
+    if not pending:
+        return
+    with sm_carveout(requested_carveout(), pending[0][0].device):
+        while pending:
+            dy, x, offs, weights, fuse_accumulation = pending.pop(0)
+            grads = torch_grouped_gemm.weight_gradients(dy, x, offs, weights, fuse_accumulation)
+            if fuse_accumulation:
+                continue
+            for weight, grad in zip(weights, grads):
+                weight.grad = grad if weight.grad is None else weight.grad + grad

@@ -9,6 +9,7 @@ FLAG = "--moe-grouped-gemm-impl"
 IMPLS = ("te", "torch")
 DEFAULT_IMPL = "te"
 SPLITS_FLAG = "--moe-expert-splits-on-device"
+CARVEOUT_FLAG = "--moe-wgrad-sm-carveout"
 # bf16 rows and columns must start on 16-byte boundaries for the grouped GEMM kernels.
 ALIGNMENT = 8
 
@@ -21,7 +22,13 @@ def splits_on_device(args: Any) -> bool:
     return args is not None and bool(getattr(args, "moe_expert_splits_on_device", False))
 
 
+def wgrad_sm_carveout(args: Any) -> int:
+    return int(getattr(args, "moe_wgrad_sm_carveout", 0) or 0) if args is not None else 0
+
+
 def add_arguments(group: argparse._ArgumentGroup) -> None:
+    from megatron.patchset.core import argsfile
+
     group.add_argument(
         FLAG,
         choices=IMPLS,
@@ -42,4 +49,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "full_iteration can capture the whole forward and backward. Needs --moe-grouped-gemm-impl "
         "torch, the alltoall dispatcher with --moe-permute-fusion, one expert-parallel and "
         "expert-tensor-parallel rank, and no token dropping.",
+    )
+    group.add_argument(
+        CARVEOUT_FLAG,
+        type=argsfile.at_least(0),
+        default=0,
+        help="With --overlap-dispatch-backward-with-experts-wgrad and --moe-grouped-gemm-impl "
+        "torch: the experts' deferred weight-gradient GEMMs launch their persistent grid on N "
+        "fewer SMs (torch's SM carve-out), so that the dispatch's backward all-to-all, whose "
+        "NCCL thread blocks cannot share an SM with the GEMM's, runs beside them. Costs the "
+        "GEMMs about N / SM count of their speed. Default: 0 (every SM).",
     )

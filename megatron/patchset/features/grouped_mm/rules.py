@@ -12,10 +12,12 @@ from megatron.patchset.core.predicates import (
 from megatron.patchset.core.rules import listed, rule
 from megatron.patchset.features.grouped_mm.flags import (
     ALIGNMENT,
+    CARVEOUT_FLAG,
     FLAG,
     SPLITS_FLAG,
     requested,
     splits_on_device,
+    wgrad_sm_carveout,
 )
 
 
@@ -144,6 +146,27 @@ def _grouped_gemm_impl_torch_alignment(args):
             f"in bf16): {', '.join(bad)}. Use {FLAG} te."
         )
     return None
+
+
+@rule(
+    "moe-wgrad-sm-carveout-requirements",
+    phase="layout",
+    flags=(CARVEOUT_FLAG, FLAG, "--overlap-dispatch-backward-with-experts-wgrad"),
+)
+def _wgrad_sm_carveout(args):
+    """The carve-out applies to the deferred weight-gradient GEMMs of the torch grouped experts
+    only; elsewhere it would be silently ignored."""
+    if not wgrad_sm_carveout(args):
+        return None
+    problems = []
+    if not requested(args):
+        problems.append(f"{FLAG} torch (the carve-out sizes torch's grouped GEMM grid)")
+    if not args.overlap_dispatch_backward_with_experts_wgrad:
+        problems.append(
+            "--overlap-dispatch-backward-with-experts-wgrad (without it no weight-gradient GEMM "
+            "runs beside the all-to-all)"
+        )
+    return listed(f"{CARVEOUT_FLAG} {wgrad_sm_carveout(args)} needs: ", problems)
 
 
 @rule(

@@ -177,3 +177,100 @@ def test_megatrons_moe_layer_computes_the_delayed_weight_gradients_with_the_same
         assert any(name.startswith("experts.linear_fc1.weight") for name in now["grads"])
         for name, grad in now["grads"].items():
             assert torch.equal(grad, later["grads"][name]), f"rank {rank}: {name}"
+
+
+CARVEOUT_RULE = "moe-wgrad-sm-carveout-requirements"
+OVERLAP = "--overlap-dispatch-backward-with-experts-wgrad"
+
+
+def test_carveout_rule_needs_the_deferred_weight_gradients_of_these_gemms():
+    assert CARVEOUT_RULE not in failures(
+        tiny_argv(*TORCH, OVERLAP, "--moe-wgrad-sm-carveout", "24")
+    )
+    assert CARVEOUT_RULE not in failures(tiny_argv(*TORCH, "--moe-wgrad-sm-carveout", "0"))
+    refused = failures(tiny_argv(*TORCH, "--moe-wgrad-sm-carveout", "24"))[CARVEOUT_RULE]
+    assert refused.startswith("--moe-wgrad-sm-carveout 24 needs: ")
+    assert OVERLAP in refused and "--moe-grouped-gemm-impl torch" not in refused
+    refused = failures(tiny_argv(OVERLAP, "--moe-wgrad-sm-carveout", "8"))[CARVEOUT_RULE]
+    assert "--moe-grouped-gemm-impl torch" in refused and OVERLAP not in refused
+
+
+class _CarveoutSpy:
+    """torch's SM carve-out setting, recorded: what the GEMMs inside saw and what was restored."""
+
+    def __init__(self, monkeypatch, sms=132):
+        from megatron.patchset.features.grouped_mm import delayed_wgrad
+
+        self.value, self.seen = None, []
+        monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: self.value)
+        monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", self.put)
+        props = type("Props", (), {"multi_processor_count": sms})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+        self.module = delayed_wgrad
+
+    def put(self, value):
+        self.value = value
+
+
+def test_sm_carveout_is_set_for_the_block_and_restored(monkeypatch):
+    from megatron.patchset.core.errors import PatchsetError
+
+    spy = _CarveoutSpy(monkeypatch)
+    with spy.module.sm_carveout(24, "cuda:0"):
+        assert spy.value == 24
+    assert spy.value is None
+    spy.value = 4  # a carve-out set by someone else comes back
+    with spy.module.sm_carveout(20, "cuda"):
+        assert spy.value == 20
+    assert spy.value == 4
+    spy.value = None
+    with spy.module.sm_carveout(0, "cuda"), spy.module.sm_carveout(24, "cpu"):
+        assert spy.value is None  # nothing to carve: no SMs, or none asked
+    with pytest.raises(PatchsetError, match="--moe-wgrad-sm-carveout 132 leaves no SM"):
+        with spy.module.sm_carveout(132, "cuda"):
+            pass
+    assert spy.value is None
+
+
+def test_backward_dw_runs_the_kept_gemms_under_the_requested_carveout(monkeypatch):
+    """backward_dw sets the carve-out around the weight-gradient GEMMs only (the device test of
+    the grid is tests/gpu/features/grouped_mm); the bits are those of the immediate path."""
+    from megatron.patchset.features.grouped_mm import torch_grouped_gemm
+
+    spy = _CarveoutSpy(monkeypatch)
+    monkeypatch.setattr(spy.module, "requested_carveout", lambda: 24)
+    # the GEMMs of this CPU test run on the CPU: let the carve-out act as on a GPU
+    real = spy.module.sm_carveout
+
+    def on_gpu(sms, device):
+        return real(sms, "cuda")
+
+    monkeypatch.setattr(spy.module, "sm_carveout", on_gpu)
+    original = torch_grouped_gemm.weight_gradients
+
+    def weight_gradients(*args):
+        spy.seen.append(spy.value)
+        return original(*args)
+
+    monkeypatch.setattr(torch_grouped_gemm, "weight_gradients", weight_gradients)
+    now, later = pair()
+    x, dy = rows(sum(SPLITS)), rows(sum(SPLITS), OUT, seed=2)
+    for linear in (now, later):
+        linear(x, SPLITS)[0].backward(dy)
+    assert spy.seen == [None] and spy.value is None  # the immediate path: no carve-out
+    later.backward_dw()
+    assert spy.seen == [None, 24] and spy.value is None
+    for w_now, w_later in zip(weights(now), weights(later)):
+        assert torch.equal(w_now.main_grad, w_later.main_grad)
+
+
+def test_the_requested_carveout_is_the_runs_flag(monkeypatch):
+    from megatron.training import global_vars
+
+    from megatron.patchset.features.grouped_mm import delayed_wgrad
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
+    assert delayed_wgrad.requested_carveout() == 0  # outside a run
+    args = type("Args", (), {"moe_wgrad_sm_carveout": 20})()
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    assert delayed_wgrad.requested_carveout() == 20
