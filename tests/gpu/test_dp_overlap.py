@@ -2,19 +2,29 @@
 --overlap-param-gather`` under the distributed optimizer) against the same recipe without it: the
 same losses and gradient norms to the last bit (``--deterministic-mode``), through pretrain_gpt.py
 with the full-iteration and optimizer graphs captured. On one GPU (a data-parallel group of one
-rank, whose bucket reductions and gathers NCCL still runs inside the graph) and at DP 2."""
+rank, whose bucket reductions and gathers NCCL still runs inside the graph) and at DP 2. At DP 2 a
+run of the overlapped recipe stopped after iteration 6 with ``--save`` and launched again with
+``--load`` continues bit for bit: with ``--overlap-param-gather`` the parameters' all-gather of the
+last step before the checkpoint is still pending when megatron saves."""
 
 import re
 
 import pytest
 
 from megatron.patchset import recipes
-from tests.gpu.conftest import DETERMINISTIC, assert_same_bits, gpu_count, launch_many, tiny_argv
+from tests.gpu.conftest import (
+    DETERMINISTIC,
+    assert_resumed_exactly,
+    assert_same_bits,
+    gpu_count,
+    launch_many,
+    tiny_argv,
+)
 from tests.gpu.test_resume import deterministic
 
 pytestmark = pytest.mark.gpu
 
-ITERS = 12
+ITERS, EXIT = 12, 6
 PLAIN = deterministic(recipes.flags("small_batch", DIST_OPT=1))
 OVERLAPPED = deterministic(recipes.flags("small_batch", DIST_OPT=1, DP_OVERLAP=1))
 CAPTURED = "CUDA graph capture done for training"
@@ -25,13 +35,28 @@ GPUS = (1, 2)
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp_overlap")
     jobs = []
+    resumed = []
     for nproc in GPUS:
         if gpu_count() < nproc:
             continue
-        for name, flags in (("plain", PLAIN), ("overlapped", OVERLAPPED)):
-            argv = tiny_argv(*DETERMINISTIC, "--train-iters", str(ITERS), *flags)
+        argvs = {
+            name: tiny_argv(*DETERMINISTIC, "--train-iters", str(ITERS), *flags)
+            for name, flags in (("plain", PLAIN), ("overlapped", OVERLAPPED))
+        }
+        for name, argv in argvs.items():
             jobs.append(dict(tmp_path=tmp, name=f"{name}_{nproc}", nproc=nproc, argv=argv))
-    return launch_many(jobs)
+        if nproc == 2:  # the overlapped recipe stopped at EXIT with a checkpoint, then resumed
+            ckpt = str(tmp / "ckpt")
+            save = ["--save", ckpt, "--save-interval", str(EXIT), "--exit-interval", str(EXIT)]
+            overlapped = argvs["overlapped"]
+            jobs.append(dict(tmp_path=tmp, name="first_2", nproc=2, argv=overlapped + save))
+            resumed.append(
+                dict(tmp_path=tmp, name="resumed_2", nproc=2, argv=overlapped + ["--load", ckpt])
+            )
+    done = launch_many(jobs)
+    if resumed:
+        done.update(launch_many(resumed))
+    return done
 
 
 def compare(runs, nproc):
@@ -56,3 +81,15 @@ def test_dp_overlap_on_one_gpu_gives_the_same_bits(runs):
 @pytest.mark.gpus(2)
 def test_dp_overlap_at_dp2_gives_the_same_bits(runs):
     compare(runs, 2)
+
+
+@pytest.mark.gpus(2)
+def test_a_resume_at_dp2_with_the_overlap_continues_bit_identically(runs):
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    full, first, again = runs["overlapped_2"], runs["first_2"], runs["resumed_2"]
+    assert_resumed_exactly(full, first, again, EXIT)
+    print(
+        f"\nDP_OVERLAP=1, DP=2: iterations {EXIT + 1}-{ITERS} resumed bit-identically; loss at "
+        f"{ITERS} {again.losses[-1]!r}, grad norm {again.grad_norms[-1]!r}"
+    )
