@@ -4,8 +4,8 @@ same losses and gradient norms to the last bit (``--deterministic-mode``), throu
 with the full-iteration and optimizer graphs captured. On one GPU (a data-parallel group of one
 rank, whose bucket reductions and gathers NCCL still runs inside the graph) and at DP 2. At DP 2 a
 run of the overlapped recipe stopped after iteration 6 with ``--save`` and launched again with
-``--load`` continues bit for bit: with ``--overlap-param-gather`` the parameters' all-gather of the
-last step before the checkpoint is still pending when megatron saves."""
+``--load`` continues bit for bit (with ``--overlap-param-gather`` megatron completes the pending
+parameter all-gather before it saves, and the resumed run's first forward gathers again)."""
 
 import re
 

@@ -134,6 +134,8 @@ class Probe:
     def gemm(self):
         import torch.nn.functional as F
 
+        if self.carveout is None:
+            return F.grouped_mm(self.dy.t(), self.x, offs=self.offs)
         before = self.torch._C._get_sm_carveout_experimental()
         self.torch._C._set_sm_carveout_experimental(self.carveout)
         try:
@@ -175,6 +177,19 @@ class Probe:
 
     def carved(self, work: str, part, carveouts: list[int]) -> list[tuple]:
         """``pair`` with the GEMM leaving each of ``carveouts`` SMs out of its grid."""
+        torch = self.torch
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        too_many = [c for c in carveouts if c >= sms]
+        if too_many:
+            raise SystemExit(
+                f"tools/bench/overlap_probe.py: error: --sm-carveout {too_many[0]} leaves the GEMM "
+                f"no SM: this GPU has {sms}"
+            )
+        if carveouts and not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            raise SystemExit(
+                f"tools/bench/overlap_probe.py: error: --sm-carveout needs torch's SM carve-out "
+                f"(torch 2.11 or newer; this is {torch.__version__}); pass --sm-carveout ''"
+            )
         rows = []
         for carveout in carveouts:
             self.carveout = carveout

@@ -95,8 +95,14 @@ def _build(k) -> r.Built:
         # the experts' weight gradients beside the dispatch's backward all-to-all
         flags += ["--overlap-dispatch-backward-with-experts-wgrad"]
     if k.wgrad_sms:
-        # NCCL's thread blocks cannot share an SM with the grouped GEMM's; the rule refuses it
-        # without the overlap above
+        if not (k.wgrad_overlap and k.ep > 1):
+            raise r.KnobError(
+                f"WGRAD_SMS={k.wgrad_sms} leaves SMs to the dispatch's backward all-to-all beside "
+                "the experts' weight-gradient GEMMs, which run beside it only with "
+                f"WGRAD_OVERLAP=1 and EP > 1 (got WGRAD_OVERLAP={int(k.wgrad_overlap)}, "
+                f"EP={k.ep})"
+            )
+        # NCCL's thread blocks cannot share an SM with the grouped GEMM's
         flags += ["--moe-wgrad-sm-carveout", str(k.wgrad_sms)]
     if k.swiglu_kernels:
         # the experts' weighted SwiGLU as Triton kernels: 1.7% off the step of an emulated
@@ -157,8 +163,8 @@ RECIPE = r.Recipe(
         r.whole(
             "WGRAD_SMS",
             0,
-            "with WGRAD_OVERLAP=1: SMs the experts' weight-gradient GEMMs leave to the all-to-all "
-            "(--moe-wgrad-sm-carveout); 0: all SMs to the GEMMs",
+            "with WGRAD_OVERLAP=1 and EP > 1: SMs the experts' weight-gradient GEMMs leave to the "
+            "all-to-all (--moe-wgrad-sm-carveout); 0: all SMs to the GEMMs",
             minimum=0,
         ),
         r.switch(

@@ -262,8 +262,9 @@ def test_small_batch_dp_overlap_passes_megatrons_data_parallel_overlap():
 
 
 def test_small_batch_wgrad_sms_leaves_sms_to_the_all_to_all():
-    """WGRAD_SMS=N passes --moe-wgrad-sm-carveout N, which validates with WGRAD_OVERLAP=1 at EP 2
-    and is refused, naming the flag it needs, without it."""
+    """WGRAD_SMS=N passes --moe-wgrad-sm-carveout N, which validates with WGRAD_OVERLAP=1 at EP 2;
+    without WGRAD_OVERLAP=1 or at EP 1 (where the recipe drops the overlap) the recipe refuses the
+    knob, naming both."""
     from tests.unit.conftest import failures, tiny_argv, validated
 
     on = recipes.flags("small_batch", EP=2, DIST_OPT=1, WGRAD_OVERLAP=1, WGRAD_SMS=24)
@@ -272,6 +273,11 @@ def test_small_batch_wgrad_sms_leaves_sms_to_the_all_to_all():
     assert [f for f in on if f not in ("--moe-wgrad-sm-carveout", "24")] == off
     assert validated(tiny_argv(*on), world_size=2).moe_wgrad_sm_carveout == 24
     assert not failures(tiny_argv(*on), 2)
-    alone = recipes.flags("small_batch", EP=2, DIST_OPT=1, WGRAD_SMS=24)
-    refused = failures(tiny_argv(*alone), 2)["moe-wgrad-sm-carveout-requirements"]
-    assert "--overlap-dispatch-backward-with-experts-wgrad" in refused
+    for knobs, got in (
+        (dict(EP=2, WGRAD_SMS=24), "(got WGRAD_OVERLAP=0, EP=2)"),
+        (dict(EP=1, WGRAD_OVERLAP=1, WGRAD_SMS=24), "(got WGRAD_OVERLAP=1, EP=1)"),
+    ):
+        with pytest.raises(recipes.KnobError) as refused:
+            recipes.flags("small_batch", **knobs)
+        assert "only with WGRAD_OVERLAP=1 and EP > 1" in str(refused.value)
+        assert str(refused.value).endswith(got)

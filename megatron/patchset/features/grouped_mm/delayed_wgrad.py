@@ -135,7 +135,7 @@ def sm_carveout(sms: int, device):
     if get is None or put is None:
         raise PatchsetError(
             f"{CARVEOUT_FLAG} {sms}: torch {torch.__version__} has no SM carve-out "
-            "(torch._C._set_sm_carveout_experimental); use torch 2.11 or drop the flag"
+            "(torch._C._set_sm_carveout_experimental); use torch 2.11 or newer, or drop the flag"
         )
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if sms >= total:

@@ -57,6 +57,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="With --overlap-dispatch-backward-with-experts-wgrad and --moe-grouped-gemm-impl "
         "torch: the experts' deferred weight-gradient GEMMs launch their persistent grid on N "
         "fewer SMs (torch's SM carve-out), so that the dispatch's backward all-to-all, whose "
-        "NCCL thread blocks cannot share an SM with the GEMM's, runs beside them. Costs the "
-        "GEMMs about N / SM count of their speed. Default: 0 (every SM).",
+        "NCCL thread blocks cannot share an SM with the GEMM's, runs beside them. N must be "
+        "below the GPU's SM count; the GEMMs lose up to about N / SM count of their speed. "
+        "Default: 0 (every SM).",
     )
