@@ -23,6 +23,11 @@ def test_sizes_and_sm_counts_are_checked():
     for bad in ("0", "a", "12,-1"):
         with pytest.raises(SystemExit):
             parse(["--green-sms", bad])
+    assert parse([]).sm_carveout == [16, 20, 24, 32]
+    assert parse(["--sm-carveout", "20,32"]).sm_carveout == [20, 32]
+    assert parse(["--sm-carveout", ""]).sm_carveout == []
+    with pytest.raises(SystemExit):
+        parse(["--sm-carveout", "0"])
     assert parse(["--mb", "16"]).mb == 16.0
     for bad in ("0", "-4", "x", "nan"):
         with pytest.raises(SystemExit):
@@ -35,3 +40,37 @@ def test_it_says_it_needs_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert overlap_probe.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_carveout_of_every_sm_is_refused_before_timing(monkeypatch):
+    import torch
+
+    probe = object.__new__(overlap_probe.Probe)  # no GPU tensors: it stops before timing
+    probe.torch, probe.carveout = torch, None
+    props = type("Props", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(probe, "pair", lambda *a: pytest.fail("timed a refused carve-out"))
+    with pytest.raises(
+        SystemExit, match="--sm-carveout 132 leaves the GEMM no SM: this GPU has 132"
+    ):
+        probe.carved("sm-kernel", None, [20, 132])
+    assert probe.carveout is None
+
+
+def test_carved_rows_set_the_carveout_for_their_pair_only(monkeypatch):
+    import torch
+
+    probe = object.__new__(overlap_probe.Probe)
+    probe.torch, probe.carveout = torch, None
+    props = type("Props", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    seen = []
+    monkeypatch.setattr(probe, "pair", lambda work, part: seen.append((work, probe.carveout)))
+    probe.carved("nccl-all-to-all", None, [16, 24])
+    assert seen == [
+        ("nccl-all-to-all, GEMM leaving 16 SMs", 16),
+        ("nccl-all-to-all, GEMM leaving 24 SMs", 24),
+    ]
+    assert probe.carveout is None
