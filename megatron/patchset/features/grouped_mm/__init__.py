@@ -27,7 +27,7 @@ FEATURE = Feature(
     enabled=flags.requested,
     upstream_pr="proposed (megatron-core 0.19.2 uses torch grouped_mm for inference only: "
     "InferenceGroupedMLP)",
-    status="not yet verified on 2 GPUs",
+    status="experimental",
     modules=(f"{__name__}.rules", f"{__name__}.linears", f"{__name__}.device_splits"),
     flags=(flags.FLAG, flags.SPLITS_FLAG, flags.CARVEOUT_FLAG),
     add_arguments=flags.add_arguments,

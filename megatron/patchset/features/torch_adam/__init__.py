@@ -21,7 +21,7 @@ FEATURE = Feature(
     enabled=flags.requested,
     upstream_pr="proposed (megatron-core 0.19.2 takes torch's AdamW only when neither "
     "TransformerEngine nor apex is installed)",
-    status="not yet verified on 2 GPUs",
+    status="experimental",
     modules=(
         f"{__name__}.rules",
         f"{__name__}.optimizer",
