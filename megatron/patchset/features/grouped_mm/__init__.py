@@ -31,5 +31,6 @@ FEATURE = Feature(
     modules=(f"{__name__}.rules", f"{__name__}.linears", f"{__name__}.device_splits"),
     flags=(flags.FLAG, flags.SPLITS_FLAG, flags.CARVEOUT_FLAG),
     add_arguments=flags.add_arguments,
+    configure_config=flags.configure_config,
     in_use=_in_use,
 )

@@ -106,16 +106,11 @@ def grouped_linear_forward(module, x, offs, descending: bool, padded: bool):
     return _defer_function().apply(y, x, offs, module, fuse_accumulation, *weights)
 
 
-def requested_carveout() -> int:
-    """``--moe-wgrad-sm-carveout`` of the run (megatron's parsed arguments; 0 outside a run)."""
+def requested_carveout(module) -> int:
+    """``--moe-wgrad-sm-carveout`` of ``module``'s TransformerConfig (0 without one)."""
     from megatron.patchset.features.grouped_mm import flags
 
-    try:
-        from megatron.training.global_vars import get_args
-
-        return flags.wgrad_sm_carveout(get_args())
-    except (AssertionError, ImportError):  # no parsed arguments: not inside megatron's training
-        return 0
+    return flags.wgrad_sm_carveout(getattr(module, "config", None))
 
 
 @contextlib.contextmanager
@@ -159,7 +154,7 @@ def backward_dw(module) -> None:
     pending = getattr(module, _PENDING, None)
     if not pending:
         return
-    with sm_carveout(requested_carveout(), pending[0][0].device):
+    with sm_carveout(requested_carveout(module), pending[0][0].device):
         while pending:
             dy, x, offs, weights, fuse_accumulation = pending.pop(0)
             grads = torch_grouped_gemm.weight_gradients(dy, x, offs, weights, fuse_accumulation)

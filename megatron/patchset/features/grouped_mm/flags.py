@@ -10,6 +10,8 @@ IMPLS = ("te", "torch")
 DEFAULT_IMPL = "te"
 SPLITS_FLAG = "--moe-expert-splits-on-device"
 CARVEOUT_FLAG = "--moe-wgrad-sm-carveout"
+# The TransformerConfig attribute configure_config sets and the experts' linears read.
+CONFIG_CARVEOUT = "moe_wgrad_sm_carveout"
 # bf16 rows and columns must start on 16-byte boundaries for the grouped GEMM kernels.
 ALIGNMENT = 8
 
@@ -23,7 +25,16 @@ def splits_on_device(args: Any) -> bool:
 
 
 def wgrad_sm_carveout(args: Any) -> int:
-    return int(getattr(args, "moe_wgrad_sm_carveout", 0) or 0) if args is not None else 0
+    """``--moe-wgrad-sm-carveout`` of the parsed arguments, or of a TransformerConfig that
+    :func:`configure_config` set (0 without it)."""
+    return int(getattr(args, CONFIG_CARVEOUT, 0) or 0) if args is not None else 0
+
+
+def configure_config(args: Any, config: Any) -> None:
+    """Copy ``--moe-wgrad-sm-carveout`` onto megatron's TransformerConfig, where the experts'
+    linears read it."""
+    if wgrad_sm_carveout(args):
+        setattr(config, CONFIG_CARVEOUT, wgrad_sm_carveout(args))
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:

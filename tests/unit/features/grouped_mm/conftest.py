@@ -43,8 +43,9 @@ def rows(m, width=IN, seed=1):
 class FakeTEGroupedLinear(torch.nn.Module):
     """The attributes of megatron's TE grouped linear that the mixin reads."""
 
-    def __init__(self, num_gemms, input_size, output_size, **_):
+    def __init__(self, num_gemms, input_size, output_size, config=None, **_):
         super().__init__()
+        self.config = config  # TE's grouped linear keeps megatron's TransformerConfig
         self.num_gemms = num_gemms
         self.is_first_microbatch = True
         for i, w in enumerate(expert_weights(num_gemms, shape=(output_size, input_size))):

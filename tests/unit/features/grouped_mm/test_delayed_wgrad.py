@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron.patchset.features.grouped_mm import linears
-from tests.unit.conftest import failures, tiny_argv
+from tests.unit.conftest import failures, tiny_argv, validated
 from tests.unit.features.grouped_mm.conftest import (
     IN,
     OUT,
@@ -256,7 +256,7 @@ def test_backward_dw_runs_the_kept_gemms_under_the_requested_carveout(monkeypatc
     from megatron.patchset.features.grouped_mm import torch_grouped_gemm
 
     spy = _CarveoutSpy(monkeypatch)
-    monkeypatch.setattr(spy.module, "requested_carveout", lambda: 24)
+    monkeypatch.setattr(spy.module, "requested_carveout", lambda module: 24)
     # the GEMMs of this CPU test run on the CPU: let the carve-out act as on a GPU
     real = spy.module.sm_carveout
 
@@ -280,13 +280,26 @@ def test_backward_dw_runs_the_kept_gemms_under_the_requested_carveout(monkeypatc
     assert spy.seen == [None, 24] and spy.value is None
 
 
-def test_the_requested_carveout_is_the_runs_flag(monkeypatch):
-    from megatron.training import global_vars
+def test_the_requested_carveout_is_the_flag_on_the_linears_config():
+    """configure_config copies the flag onto megatron's TransformerConfig (only when set), and the
+    linear reads it from its config; megatron's own config and a module without one give 0."""
+    from megatron.core.transformer import TransformerConfig
 
-    from megatron.patchset.features.grouped_mm import delayed_wgrad
+    from megatron.patchset.features.grouped_mm import delayed_wgrad, flags
 
-    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
-    assert delayed_wgrad.requested_carveout() == 0  # outside a run
-    args = type("Args", (), {"moe_wgrad_sm_carveout": 20})()
-    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
-    assert delayed_wgrad.requested_carveout() == 20
+    args = validated(tiny_argv(*TORCH, OVERLAP, "--moe-wgrad-sm-carveout", "20"))
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    linear = type("Linear", (), {"config": config})()
+    assert delayed_wgrad.requested_carveout(linear) == 0  # upstream's config: no carve-out
+    flags.configure_config(args, config)
+    assert delayed_wgrad.requested_carveout(linear) == 20
+    unset = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    flags.configure_config(validated(tiny_argv(*TORCH)), unset)
+    assert not hasattr(unset, flags.CONFIG_CARVEOUT)
+    assert delayed_wgrad.requested_carveout(object()) == 0
+    # megatron's TEGroupedMLP hands both linears its own config: the copy reaches them
+    mlp = grouped_mlp(SPLITS)
+    assert delayed_wgrad.requested_carveout(mlp.linear_fc1) == 0
+    flags.configure_config(args, mlp.config)
+    assert delayed_wgrad.requested_carveout(mlp.linear_fc1) == 20
+    assert delayed_wgrad.requested_carveout(mlp.linear_fc2) == 20
