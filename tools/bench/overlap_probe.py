@@ -36,6 +36,7 @@ import statistics
 import sys
 
 from megatron.patchset.core import argsfile
+from megatron.patchset.features.grouped_mm.delayed_wgrad import sm_carveout
 
 EXPERTS, ROWS, IN_FEATURES, OUT_FEATURES = 16, 32768, 2048, 1536
 
@@ -134,14 +135,9 @@ class Probe:
     def gemm(self):
         import torch.nn.functional as F
 
-        if self.carveout is None:
+        # the same carve-out the experts' linears set under --moe-wgrad-sm-carveout
+        with sm_carveout(self.carveout or 0, self.x.device):
             return F.grouped_mm(self.dy.t(), self.x, offs=self.offs)
-        before = self.torch._C._get_sm_carveout_experimental()
-        self.torch._C._set_sm_carveout_experimental(self.carveout)
-        try:
-            return F.grouped_mm(self.dy.t(), self.x, offs=self.offs)
-        finally:
-            self.torch._C._set_sm_carveout_experimental(before)
 
     def time(self, parts: list, streams: list | None = None) -> float:
         """Microseconds from the start of all ``parts`` (each on its own stream) to their end."""
