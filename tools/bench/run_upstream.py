@@ -8,19 +8,26 @@ registry's ``compat`` patches (what any script needs to run from the wheel at al
 dataset helpers build) and ``observe`` patches (``MEGATRON_PATCHSET_METRICS`` recording) are
 applied; no fork feature is. The script's folder must come first on ``PYTHONPATH`` so that its
 sibling modules (``gpt_builders.py``, ``model_provider.py``) import as they do in a Megatron-LM
-checkout; ``tools/bench/bench.py --upstream-script`` and the GPU tests set it. Megatron-LM's code
-is not part of this repository: point this at a checkout whose release matches megatron-core
-0.19.2 (branch ``core_r0.19.0``).
+checkout; ``tools/bench/bench.py --upstream-script`` and the GPU tests set it. The folder is then
+moved behind the installed packages: a checkout's own ``megatron/`` (megatron-core 0.19.1 on
+``core_r0.19.0``) is a namespace portion like the wheel's, and first on the path it would replace
+the pinned ``megatron.core`` and ``megatron.training``. Megatron-LM's code is not part of this
+repository: point this at a checkout whose release matches megatron-core 0.19.2 (branch
+``core_r0.19.0``).
 """
 
+import importlib
 import os
 import runpy
 import sys
 
-from megatron.patchset.core import registry
-from megatron.patchset.core.observe import metrics
-
 NAME = "tools/bench/run_upstream.py"
+
+
+def folder_last(folder: str) -> None:
+    """Move ``folder`` to the end of ``sys.path``: its modules still import, and every package
+    installed in the environment (the pinned megatron-core among them) comes before it."""
+    sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != folder] + [folder]
 
 
 def main() -> None:
@@ -35,7 +42,10 @@ def main() -> None:
     folder = os.path.dirname(script)
     if folder not in {os.path.abspath(p) for p in sys.path if p}:
         sys.exit(f"{NAME}: {folder} is not on PYTHONPATH (its sibling modules import from there)")
+    folder_last(folder)
     sys.argv = [script] + sys.argv[2:]
+    registry = importlib.import_module("megatron.patchset.core.registry")
+    metrics = importlib.import_module("megatron.patchset.core.observe.metrics")
 
     applied = registry.apply_patches(
         [p for p in registry.registered() if p.kind != "feature" and p.wanted(None)]

@@ -1,0 +1,65 @@
+"""tools/bench/run_upstream.py runs a Megatron-LM checkout's script against the installed
+megatron-core, not against the checkout's own ``megatron/``."""
+
+import os
+import subprocess
+import sys
+
+from tests.unit.conftest import ROOT
+
+ENTRY = os.path.join(ROOT, "tools", "bench", "run_upstream.py")
+SCRIPT = """\
+import megatron.core
+import megatron.training
+import model_provider
+
+print("core", megatron.core.__file__)
+print("training", megatron.training.__file__)
+print("sibling", model_provider.VALUE)
+"""
+
+
+def checkout(tmp_path):
+    """A stand-in Megatron-LM checkout: a script, a sibling module, and its own megatron/ as a
+    namespace portion (as Megatron-LM has it: no megatron/__init__.py)."""
+    for package in ("core", "training"):
+        folder = tmp_path / "megatron" / package
+        folder.mkdir(parents=True)
+        (folder / "__init__.py").write_text("__version__ = '0.19.1'\n")
+    (tmp_path / "model_provider.py").write_text("VALUE = 7\n")
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(SCRIPT)
+    return script
+
+
+def run(argv, folder):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PATCHSET")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    return dict(line.split(" ", 1) for line in lines if line.split(" ")[0].isalpha()), lines
+
+
+def test_the_checkout_s_megatron_does_not_replace_the_installed_one(tmp_path):
+    script = checkout(tmp_path)
+    # The same script run directly, its folder first on PYTHONPATH: the checkout's package wins.
+    direct, _ = run([str(script)], tmp_path)
+    assert direct["core"].startswith(str(tmp_path))
+    out, lines = run([ENTRY, str(script)], tmp_path)
+    assert not out["core"].startswith(str(tmp_path)), out
+    assert not out["training"].startswith(str(tmp_path)), out
+    assert out["sibling"] == "7"
+    assert any(line.startswith(f"> run_upstream: {script} with patches:") for line in lines)
+
+
+def test_a_folder_off_the_path_is_refused(tmp_path):
+    script = checkout(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, ENTRY, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0
+    assert "is not on PYTHONPATH" in done.stderr
