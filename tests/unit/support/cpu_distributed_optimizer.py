@@ -29,6 +29,11 @@ optimizer from the same seed and says what it does:
   through ``config.grad_scale_func`` (default: from the loss itself, the auxiliary loss's scale
   left as it is);
   ``fold``: ``--ddp-scale-grads-in-loss``;
+* ``overlap``: megatron's ``--overlap-grad-reduce --overlap-param-gather`` in buckets of
+  :data:`OVERLAP_BUCKET` parameters: each bucket's reduce-scatter starts in the backward pass once
+  its gradients are in, and the parameter all-gather after a step waits for the next forward
+  pass's hooks; before a save the parameters are gathered as megatron's ``save_checkpoint_and_time``
+  does (``force_param_sync``);
 * ``moments``: ``--adam-moments-dtype`` (default fp32);
 * ``interpret``: Triton's interpreter on (``TRITON_INTERPRET=1``); ``block``: the one-kernel
   step's block (elements per program, default ``triton_step.BLOCK``). The interpreter runs each
@@ -253,7 +258,12 @@ def _phase_args(args, phase, torch):
     return phase_args
 
 
-def _build(args, m, torch):
+# Parameters per DDP bucket for an ``overlap`` phase: several buckets in the tiny model, so that
+# reduce-scatters start while the backward pass goes on.
+OVERLAP_BUCKET = 20000
+
+
+def _build(args, m, torch, overlap=False):
     """The model (its GPTModel, and the whole wrapped in megatron's DDP) and the optimizer, as
     megatron's training builds them."""
     torch.manual_seed(1234)
@@ -263,7 +273,11 @@ def _build(args, m, torch):
     config = gpt.config
     module = m.Float16Module(config, gpt) if args.bf16 else gpt
     ddp_config = m.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        bucket_size=OVERLAP_BUCKET if overlap else None,
     )
     model = m.DistributedDataParallel(config, ddp_config, module)
     optimizer = m.get_megatron_optimizer(
@@ -278,6 +292,7 @@ def _build(args, m, torch):
             bf16=args.bf16,
             params_dtype=args.params_dtype,
             use_distributed_optimizer=True,
+            overlap_param_gather=overlap,
         ),
         [model],
     )
@@ -343,7 +358,10 @@ def _phase(phase, args, out, torch, m):
         if m.parallel_state.get_expert_model_parallel_world_size() != ep:
             m.parallel_state.destroy_model_parallel()
             m.parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
-        gpt, model, optimizer = _build(phase_args, m, torch)
+        gpt, model, optimizer = _build(phase_args, m, torch, overlap=phase.get("overlap", False))
+        record["buckets"] = sum(
+            len(buffer.buckets) for buffer in (*model.buffers, *model.expert_parallel_buffers)
+        )
         record["bucket_factors"] = sorted(
             {
                 float(bucket.gradient_scaling_factor)
@@ -392,6 +410,10 @@ def _phase(phase, args, out, torch, m):
             for o in _distributed_optimizers(optimizer)
         ]
         record["bf16_shards"], record["bf16_shard_count"] = _bf16_shards(optimizer, torch)
+        if phase.get("overlap") and phase.get("save"):
+            # megatron's save_checkpoint_and_time: gather the parameters the last step updated
+            optimizer.prepare_model_params_for_param_sync()
+            model.start_param_sync(force_sync=True)
         for sharding, folder in phase.get("save", {}).items():
             _save(folder, sharding, gpt, optimizer, m.dist_checkpointing, torch)
     except Exception as exc:  # a phase's failure is what some tests assert
