@@ -6,12 +6,14 @@
 This is the "unpatched upstream" baseline of the GPU tests and ``tools/bench/bench.py``: only the
 registry's ``compat`` patches (what any script needs to run from the wheel at all, e.g. the
 dataset helpers build) and ``observe`` patches (``MEGATRON_PATCHSET_METRICS`` recording) are
-applied; no fork feature is. The script's folder must come first on ``PYTHONPATH`` so that its
-sibling modules (``gpt_builders.py``, ``model_provider.py``) import as they do in a Megatron-LM
-checkout; ``tools/bench/bench.py --upstream-script`` and the GPU tests set it. The folder is then
-moved behind the installed packages: a checkout's own ``megatron/`` (megatron-core 0.19.1 on
+applied; no fork feature is. The script's folder must be on ``PYTHONPATH`` so that its sibling
+modules (``gpt_builders.py``, ``model_provider.py``) import as they do in a Megatron-LM checkout;
+``tools/bench/bench.py --upstream-script`` and the GPU tests set it. The folder is then moved
+behind the installed packages: a checkout's own ``megatron/`` (megatron-core 0.19.1 on
 ``core_r0.19.0``) is a namespace portion like the wheel's, and first on the path it would replace
-the pinned ``megatron.core`` and ``megatron.training``. Megatron-LM's code is not part of this
+the pinned ``megatron.core`` and ``megatron.training``. Behind them it still provides what the
+wheel does not install, e.g. ``megatron.legacy``, which the checkout's ``gpt_builders.py``
+imports: that part of the baseline is the checkout's code. Megatron-LM's code is not part of this
 repository: point this at a checkout whose release matches megatron-core 0.19.2 (branch
 ``core_r0.19.0``).
 """
@@ -25,9 +27,11 @@ NAME = "tools/bench/run_upstream.py"
 
 
 def folder_last(folder: str) -> None:
-    """Move ``folder`` to the end of ``sys.path``: its modules still import, and every package
-    installed in the environment (the pinned megatron-core among them) comes before it."""
-    sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != folder] + [folder]
+    """Move ``folder`` (every entry that names it, through links too) to the end of ``sys.path``:
+    its modules still import, and every package installed in the environment (the pinned
+    megatron-core among them) comes before it."""
+    real = os.path.realpath(folder)
+    sys.path[:] = [p for p in sys.path if not p or os.path.realpath(p) != real] + [folder]
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 Nothing is applied against a megatron-core other than :data:`SUPPORTED_MCORE_VERSION`, or a
 TransformerEngine outside :data:`SUPPORTED_TE_RANGE` (when TE is installed at all); the error names
-the installed and the expected version.
+the installed and the expected version, and for megatron-core the folder it was imported from (a
+Megatron-LM checkout on ``PYTHONPATH`` shadows the installed package).
 """
 
 from __future__ import annotations
@@ -49,13 +50,23 @@ def installed_te_version() -> str | None:
     return None
 
 
+def mcore_folder() -> str:
+    """The folder ``megatron.core`` is imported from."""
+    import os
+
+    import megatron.core
+
+    return os.path.dirname(os.path.abspath(megatron.core.__file__))
+
+
 def check_versions(mcore_version: str | None = None, te_version: str | None = "__detect__") -> None:
     """Refuse to patch an upstream the patches were not written for."""
     mcore = installed_mcore_version() if mcore_version is None else mcore_version
     if mcore != SUPPORTED_MCORE_VERSION:
+        where = f" (megatron.core from {mcore_folder()})" if mcore_version is None else ""
         raise PatchsetVersionError(
             f"megatron-patchset targets megatron-core=={SUPPORTED_MCORE_VERSION}, but "
-            f"megatron-core {mcore} is installed. Install the pinned version (pip install "
+            f"megatron-core {mcore} is installed{where}. Install the pinned version (pip install "
             f"megatron-core=={SUPPORTED_MCORE_VERSION}); patches are not applied to other versions "
             "because the upstream symbols they replace may have changed."
         )

@@ -208,6 +208,20 @@ def test_version_guard_refuses_other_megatron_core(registry, monkeypatch):
     assert fake_upstream.helper(1) == 2  # nothing applied
 
 
+def test_version_guard_names_where_megatron_core_came_from(monkeypatch):
+    """A detected version that is not the pinned one: the error names the folder megatron.core
+    was imported from (where a Megatron-LM checkout would shadow the installed package)."""
+    import os
+
+    import megatron.core
+
+    monkeypatch.setattr(versions, "installed_mcore_version", lambda: "0.19.1")
+    with pytest.raises(versions.PatchsetVersionError) as err:
+        versions.check_versions(te_version=None)
+    folder = os.path.dirname(os.path.abspath(megatron.core.__file__))
+    assert f"megatron-core 0.19.1 is installed (megatron.core from {folder})" in str(err.value)
+
+
 @pytest.mark.parametrize(
     "te, ok",
     [

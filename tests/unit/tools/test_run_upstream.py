@@ -10,19 +10,22 @@ from tests.unit.conftest import ROOT
 ENTRY = os.path.join(ROOT, "tools", "bench", "run_upstream.py")
 SCRIPT = """\
 import megatron.core
+import megatron.legacy
 import megatron.training
 import model_provider
 
 print("core", megatron.core.__file__)
 print("training", megatron.training.__file__)
+print("legacy", megatron.legacy.__file__)
 print("sibling", model_provider.VALUE)
 """
 
 
 def checkout(tmp_path):
     """A stand-in Megatron-LM checkout: a script, a sibling module, and its own megatron/ as a
-    namespace portion (as Megatron-LM has it: no megatron/__init__.py)."""
-    for package in ("core", "training"):
+    namespace portion (as Megatron-LM has it: no megatron/__init__.py) with core and training,
+    which the installed package has too, and legacy, which it has not."""
+    for package in ("core", "training", "legacy"):
         folder = tmp_path / "megatron" / package
         folder.mkdir(parents=True)
         (folder / "__init__.py").write_text("__version__ = '0.19.1'\n")
@@ -51,8 +54,22 @@ def test_the_checkout_s_megatron_does_not_replace_the_installed_one(tmp_path):
     out, lines = run([ENTRY, str(script)], tmp_path)
     assert not out["core"].startswith(str(tmp_path)), out
     assert not out["training"].startswith(str(tmp_path)), out
+    assert out["legacy"].startswith(str(tmp_path)), out  # only the checkout has it
     assert out["sibling"] == "7"
     assert any(line.startswith(f"> run_upstream: {script} with patches:") for line in lines)
+
+
+def test_the_checkout_under_another_name_moves_too(tmp_path):
+    """PYTHONPATH names the checkout through a link, the script through its real path: both are
+    the same folder, and it still goes behind the installed packages."""
+    real = tmp_path / "real"
+    real.mkdir()
+    script = checkout(real)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    out, _ = run([ENTRY, str(script)], f"{link}{os.pathsep}{real}")
+    assert not out["core"].startswith(str(tmp_path)), out
+    assert out["sibling"] == "7"
 
 
 def test_a_folder_off_the_path_is_refused(tmp_path):
