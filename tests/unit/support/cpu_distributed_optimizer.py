@@ -32,8 +32,11 @@ optimizer from the same seed and says what it does:
 * ``overlap``: megatron's ``--overlap-grad-reduce --overlap-param-gather`` in buckets of
   :data:`OVERLAP_BUCKET` parameters: each bucket's reduce-scatter starts in the backward pass once
   its gradients are in, and the parameter all-gather after a step waits for the next forward
-  pass's hooks; before a save the parameters are gathered as megatron's ``save_checkpoint_and_time``
-  does (``force_param_sync``);
+  pass's hooks; as in megatron's ``train()`` the phase's first iteration runs without those hooks
+  (on the parameters as built or loaded) and they come back after its step; before a save the
+  parameters are gathered as megatron's ``save_checkpoint_and_time`` does (``force_param_sync``),
+  unless ``stale_save`` (the other ranks' shards of the model's parameters saved as the last step
+  left them);
 * ``moments``: ``--adam-moments-dtype`` (default fp32);
 * ``interpret``: Triton's interpreter on (``TRITON_INTERPRET=1``); ``block``: the one-kernel
   step's block (elements per program, default ``triton_step.BLOCK``). The interpreter runs each
@@ -359,6 +362,7 @@ def _phase(phase, args, out, torch, m):
             m.parallel_state.destroy_model_parallel()
             m.parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
         gpt, model, optimizer = _build(phase_args, m, torch, overlap=phase.get("overlap", False))
+        record["overlap_param_gather"] = model.ddp_config.overlap_param_gather
         record["buckets"] = sum(
             len(buffer.buckets) for buffer in (*model.buffers, *model.expert_parallel_buffers)
         )
@@ -384,6 +388,12 @@ def _phase(phase, args, out, torch, m):
                 _dump_state(optimizer, gpt, state_path, torch)
         train, _, _ = m.pretrain_gpt.train_valid_test_datasets_provider([64, 0, 0])
         loader = iter(m.build_pretraining_data_loader(train, start * args.global_batch_size))
+        overlap = phase.get("overlap", False)
+        if overlap:
+            # megatron's train(): the first iteration runs without the forward hooks (no
+            # parameter all-gather), on the parameters as built or loaded; they come back after
+            # its step
+            model.disable_forward_pre_hook(param_sync=False)
         for iteration in range(start + 1, stop + 1):
             model.zero_grad_buffer()
             optimizer.zero_grad()
@@ -398,6 +408,9 @@ def _phase(phase, args, out, torch, m):
             m.finalize_model_grads([model])
             ok, grad_norm, _ = optimizer.step()
             assert ok
+            if overlap and iteration == start + 1:
+                model.enable_forward_pre_hook()
+                record["gather_hooks"] = len(model.remove_forward_pre_hook_handles)
             record["iterations"].append(iteration)
             record["losses"].append(float(loss.detach() / num_tokens))
             record["grad_norms"].append(float(grad_norm))
@@ -410,7 +423,7 @@ def _phase(phase, args, out, torch, m):
             for o in _distributed_optimizers(optimizer)
         ]
         record["bf16_shards"], record["bf16_shard_count"] = _bf16_shards(optimizer, torch)
-        if phase.get("overlap") and phase.get("save"):
+        if overlap and phase.get("save") and not phase.get("stale_save"):
             # megatron's save_checkpoint_and_time: gather the parameters the last step updated
             optimizer.prepare_model_params_for_param_sync()
             model.start_param_sync(force_sync=True)
