@@ -241,7 +241,9 @@ class _Job:
         entry = entry or [os.path.join(ROOT, "pretrain_gpt.py")]
         # this checkout first, then the run's own path or the caller's
         paths = [ROOT, self.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")]
-        if entry[0] == UPSTREAM_ENTRY:  # the script's folder first, for its sibling modules
+        # the script's folder, for its sibling modules (run_upstream.py moves it behind the
+        # installed packages, so that the checkout's own megatron/ does not replace them)
+        if entry[0] == UPSTREAM_ENTRY:
             paths.insert(0, os.path.dirname(os.path.abspath(entry[1])))
         extra = {**self.env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         if emulate is not None:  # one process as rank 0 of an `emulate`-GPU job
