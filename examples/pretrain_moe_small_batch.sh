@@ -40,7 +40,7 @@ int_knobs 1 GLOBAL_BATCH TRAIN_ITERS
 # ---- arguments, by group -------------------------------------------------------------
 read_config "$CONFIG"
 TRAINING_ARGS=(--micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS")
-recipe_args small_batch
+recipe_args small_batch   # exports its environment defaults (CUDA_DEVICE_MAX_CONNECTIONS, ...) unless set
 
 # ---- launch (DRY_RUN=1: the --dry-run of the same flags) -------------------------------
 launch_local "$NGPUS" "small_batch recipe, EP=${EP:-1}, micro-batch $MICRO_BATCH" \

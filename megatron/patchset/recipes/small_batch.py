@@ -117,6 +117,8 @@ def _build(k) -> r.Built:
         # the all-to-all stream and the experts' stream run at once only on separate hardware
         # queues (one queue, megatron's usual CUDA_DEVICE_MAX_CONNECTIONS=1, serialises them)
         env += (("CUDA_DEVICE_MAX_CONNECTIONS", "32"),)
+    else:  # megatron's usual one queue, as the recipe's benchmarks ran it (tools/bench/bench.py)
+        env += (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)
     if k.memory == "moments":
         if k.graphs == "full" and k.kernels:
             flags += ["--adam-moments-dtype", "bf16"]

@@ -69,24 +69,51 @@ def path_without_nvidia_smi(tmp_path):
     return str(folder)
 
 
-@pytest.fixture
-def launched_flags(tmp_path):
-    """``launched_flags(script, **knobs)``: the argv a launcher's DRY_RUN=1 mode prints, with an
-    interpreter that answers the launcher's own questions (packages, recipe flags) and skips the
-    dry-run itself (fast: the flags, not their check)."""
+# What the launchers' environment could carry in from the calling shell and so hide a default
+# the launcher or its recipe sets.
+LAUNCH_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_NVLS_ENABLE")
+
+
+def _dry_run(tmp_path):
+    """``(run, environ)``: ``run(script, **knobs)`` runs a launcher's DRY_RUN=1 mode with an
+    interpreter that answers the launcher's own questions (packages, recipe flags) and, for the
+    dry-run itself, writes the environment it was started with to ``environ`` and exits (fast: the
+    flags and environment, not their check); it returns the launched argv."""
     import sys
 
     from tests.unit.conftest import dry_run_example
 
+    environ = tmp_path / "dry_run_environ"
     stub = tmp_path / "python"
     stub.write_text(
-        f'#!/bin/bash\nif [ "$1" = pretrain_gpt.py ]; then exit 0; fi\nexec {sys.executable} "$@"\n'
+        f'#!/bin/bash\nif [ "$1" = pretrain_gpt.py ]; then env > "{environ}"; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
     )
     stub.chmod(0o755)
 
     def run(script, **knobs):
-        proc = dry_run_example(script, PYTHON=str(stub), **knobs)
+        proc = dry_run_example(script, drop=LAUNCH_ENV, PYTHON=str(stub), **knobs)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return dry_run_command(proc.stdout)[1:]
 
-    return run
+    return run, environ
+
+
+@pytest.fixture
+def launched_flags(tmp_path):
+    """``launched_flags(script, **knobs)``: the argv a launcher's DRY_RUN=1 mode prints."""
+    return _dry_run(tmp_path)[0]
+
+
+@pytest.fixture
+def launched_env(tmp_path):
+    """``launched_env(script, **knobs)``: the environment a launcher's DRY_RUN=1 mode starts
+    pretrain_gpt.py with (the calling shell's values of :data:`LAUNCH_ENV` left out)."""
+    run, environ = _dry_run(tmp_path)
+
+    def launched(script, **knobs):
+        run(script, **knobs)
+        lines = environ.read_text().splitlines()
+        return dict(line.split("=", 1) for line in lines if "=" in line)
+
+    return launched

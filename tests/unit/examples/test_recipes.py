@@ -85,3 +85,19 @@ def test_the_slurm_form_launches_the_local_forms_recipe_flags(knobs, launched_fl
     slurm = final_values(launched_flags("examples/slurm/pretrain_moe_small_batch.sbatch", **knobs))
     recipe = final_values(recipes.flags("small_batch", DIST_OPT=1, **knobs))
     assert {f: local[f] for f in recipe} == {f: slurm[f] for f in recipe} == recipe
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"EP": "8", "GRAPHS": "full", "MEMORY": "80G"}, {"EP": "8", "A2A_CHUNKS": "2"}],
+)
+def test_the_slurm_form_starts_with_the_local_forms_recipe_environment(knobs, launched_env):
+    """The recipe's environment defaults (the hardware queues, the allocator, cuDNN's norms)
+    reach the training processes of both forms with the recipe's values: no line of either form
+    overrides them."""
+    built = recipes.get("small_batch")({"DIST_OPT": "1", **knobs})
+    assert built.env, "the recipe sets no environment to compare"
+    local = launched_env("examples/pretrain_moe_small_batch.sh", DIST_OPT="1", **knobs)
+    slurm = launched_env("examples/slurm/pretrain_moe_small_batch.sbatch", **knobs)
+    for var, value in built.env:
+        assert (local.get(var), slurm.get(var)) == (value, value), var

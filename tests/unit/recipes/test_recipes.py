@@ -16,6 +16,7 @@ from tests.unit.conftest import ROOT
 
 # the small_batch recipe's default: TransformerEngine's norms through cuDNN
 CUDNN = {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}
+ONE_QUEUE = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # small_batch's default, unless chunked
 
 SUPPORT = {"recipe", "cli"}
 
@@ -98,7 +99,7 @@ def test_small_batch_follows_its_knobs():
         **CUDNN,
         "CUDA_DEVICE_MAX_CONNECTIONS": "32",
     }
-    assert dict(recipes.get("small_batch")(EP=8).env) == CUDNN
+    assert dict(recipes.get("small_batch")(EP=8).env) == {**CUDNN, **ONE_QUEUE}
     assert "--moe-static-dispatch-chunks" not in recipes.flags("small_batch", A2A_CHUNKS=2)
 
 
@@ -121,8 +122,12 @@ def test_small_batch_memory_budget_passes_megatrons_and_the_forks_checks(knobs, 
 
     built = recipes.get("small_batch")(MEMORY=memory, **knobs)
     flags = list(built.flags)
-    assert dict(built.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **CUDNN}
-    assert dict(recipes.get("small_batch")(**knobs).env) == CUDNN
+    assert dict(built.env) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        **CUDNN,
+        **ONE_QUEUE,
+    }
+    assert dict(recipes.get("small_batch")(**knobs).env) == {**CUDNN, **ONE_QUEUE}
     assert flags[flags.index("--memory-budget") + 1] == memory
     assert [f for f in flags if f != "--memory-budget" and f != memory] == recipes.flags(
         "small_batch", **knobs
@@ -139,10 +144,14 @@ def test_small_batch_cudnn_norms_sets_transformer_engines_norm_backend():
     backward, as environment defaults; CUDNN_NORMS=0 leaves them to TransformerEngine."""
     on = recipes.get("small_batch")(EP=8, MEMORY="80G")
     off = recipes.get("small_batch")(EP=8, MEMORY="80G", CUDNN_NORMS=0)
-    assert dict(on.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **CUDNN}
-    assert dict(off.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert dict(on.env) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        **CUDNN,
+        **ONE_QUEUE,
+    }
+    assert dict(off.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **ONE_QUEUE}
     assert on.flags == off.flags
-    assert not recipes.get("small_batch")(CUDNN_NORMS=0).env
+    assert dict(recipes.get("small_batch")(CUDNN_NORMS=0).env) == ONE_QUEUE
 
 
 @pytest.mark.parametrize("graphs", ["full", "layer", "none"])
@@ -195,7 +204,11 @@ def test_small_batch_memory_moments_asks_for_bf16_moments_alone(knobs):
     from tests.unit.conftest import combination_failures, tiny_argv, validated
 
     moments = recipes.get("small_batch")(MEMORY="moments", **knobs)
-    assert dict(moments.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **CUDNN}
+    assert dict(moments.env) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        **CUDNN,
+        **ONE_QUEUE,
+    }
     assert not {"--recompute-granularity", "--memory-budget"} & set(moments.flags)
     assert {"--adam-moments-dtype", "--exp-avg-dtype"} & set(moments.flags)
     world = int(knobs.get("EP", 1))
