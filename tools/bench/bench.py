@@ -1193,10 +1193,12 @@ def emulation_result(opts: argparse.Namespace, facts: dict, rows: list[dict]) ->
     """The emulated layout, the links of the prediction, and per successful row the skipped
     communication (tools/bench/comm_model.py) with the step it predicts."""
     system, links = comm_model.links_of(opts, facts.get("device"))
+    anchors = ()
     for row in rows:
         if row.get("error") or "argv" not in row:
             continue
         shape = comm_model.shape_of(row["argv"], opts.emulate)
+        anchors = anchors or comm_model.anchors_for(shape)
         predicted = comm_model.predict(shape, links, opts.gpus_per_node)
         predicted.update(
             comm_model.with_compute(
@@ -1210,6 +1212,7 @@ def emulation_result(opts: argparse.Namespace, facts: dict, rows: list[dict]) ->
         "system": system,
         "gpus_per_node": opts.gpus_per_node,
         "links": dataclasses.asdict(links),
+        "anchors": [anchor.describe() for anchor in anchors],
     }
 
 
@@ -1314,8 +1317,23 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
             )
         )
     emulate = result.get("emulate")
+    if emulate:
+        rank, world = emulate["rank"], emulate["world_size"]
+        sections[0] = (
+            f"{sections[0][0]}; each variant ran as rank {rank} of {world} under "
+            "--fake-process-group: the expert-parallel exchanges are stand-ins (every rank is "
+            f"taken to route as rank {rank}; the tokens and counts of other ranks are not real) "
+            "and the other collectives are skipped",
+            sections[0][1],
+        )
     if emulate and any(r.get("comm") for r in result["variants"]):
         links = emulate["links"]
+        anchors = emulate.get("anchors") or []
+        published = (
+            " Published for this model, with communication: " + "; ".join(anchors) + "."
+            if anchors
+            else ""
+        )
         sections.append(
             (
                 f"the communication the emulation skipped (rank {emulate['rank']} of "
@@ -1327,7 +1345,7 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
                 "experts of the other chunks do not cover, at the step's average TFLOP/s), and "
                 "the data-parallel traffic hidden behind "
                 "forward and backward up to their length (first figure) or not at all (second). "
-                "A plan, not a measurement: tools/bench/comm_model.py",
+                "A plan, not a measurement: tools/bench/comm_model.py." + published,
                 format_comm_table(result["variants"]),
             )
         )

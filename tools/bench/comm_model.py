@@ -36,7 +36,8 @@ average TFLOP/s (forward; the backward twice that), which leaves exposed what th
 cover. It prints two bounds for the data-parallel traffic: none of it hidden, and all of it hidden
 behind the forward and backward pass up to their length (megatron's ``--overlap-grad-reduce
 --overlap-param-gather``). Latency, congestion and the compute the collectives slow down are not
-modelled.
+modelled. For a rank of Qwen3-30B-A3B the prediction is printed beside the published TFLOP/s per
+GPU of that model with its communication (:data:`QWEN3_30B_A3B`, each with its layout and source).
 """
 
 from __future__ import annotations
@@ -347,6 +348,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--nic-gbps", "bus bandwidth of one GPU's network card across nodes"),
     ):
         p.add_argument(flag, type=float, default=None, help=f"with --emulate: {what}, GB/s.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Anchor:
+    """A published TFLOP/s per GPU for a model, measured with its communication, that a
+    prediction is read against."""
+
+    who: str
+    tflops: float
+    layout: str
+    source: str
+
+    def describe(self) -> str:
+        return f"{self.who} {self.tflops:g} TFLOP/s per GPU ({self.layout}; {self.source})"
+
+
+# Qwen3-30B-A3B, BF16, dropless, on DGX H100 (megatron's FLOP count, 23.0 GFLOP per token at 4096)
+QWEN3_30B_A3B = (
+    Anchor(
+        "Megatron-LM",
+        234.1,
+        "32x H100, TP1 PP1 EP8, MBS 1, GBS 256, HybridEP, forced load balancing",
+        "Megatron-LM dev branch, examples/moe_recipes/README.md",
+    ),
+    Anchor(
+        "NeMo AutoModel",
+        277,
+        "8x H100, EP8 FSDP8, MBS 4, GBS 512, TE + DeepEP",
+        "NeMo AutoModel performance summary, pre-training, DGX-H100 BF16",
+    ),
+)
+
+
+def anchors_for(shape: Shape) -> tuple[Anchor, ...]:
+    """The published figures for the model ``shape`` is a rank of (Qwen3-30B-A3B: 48 MoE layers
+    of hidden size 2048, top-8, 4096 tokens per sequence); none for other models."""
+    qwen3 = (shape.moe_layers, shape.hidden, shape.topk, shape.seq) == (48, 2048, 8, 4096)
+    return QWEN3_30B_A3B if qwen3 else ()
 
 
 def links_of(opts: argparse.Namespace, device: str | None) -> tuple[str, Links]:

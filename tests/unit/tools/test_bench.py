@@ -506,10 +506,11 @@ def test_a_recipe_variant_carries_the_recipes_flags_and_runs_upstream_when_it_is
     from megatron.patchset import recipes
 
     name, flags = bench.parse_recipe("small_batch EP=8")
-    env = ["NVTE_NORM_FWD_USE_CUDNN=1", "NVTE_NORM_BWD_USE_CUDNN=1"]  # its environment first
+    queues = ["CUDA_DEVICE_MAX_CONNECTIONS=1"]
+    env = ["NVTE_NORM_FWD_USE_CUDNN=1", "NVTE_NORM_BWD_USE_CUDNN=1", *queues]  # environment first
     assert name == "small-batch:EP=8" and flags == env + recipes.flags("small_batch", EP=8)
     name, flags = bench.parse_recipe("small_batch EP=8 CUDNN_NORMS=0")
-    assert flags == recipes.flags("small_batch", EP=8)
+    assert flags == queues + recipes.flags("small_batch", EP=8)
     label, flags = bench.parse_recipe("upstream_best")
     assert label == "upstream-best" and bench.is_upstream(label, flags)
     label, flags = bench.parse_recipe("fsdp=fsdp_cuda_graphs GRAPHS=0")
@@ -595,6 +596,24 @@ def test_an_emulated_run_reports_tokens_per_gpu_and_the_skipped_communication(tm
     assert "tokens/s/GPU" in table[captions[0]]
     assert "rank 0 of 32" in captions[1] and "h100" in captions[1]
     assert row["comm"]["step_exposed_ms"] > row["step_ms"]
+    # the stand-in says what it is, beside the measured table
+    assert "expert-parallel exchanges are stand-ins" in captions[0]
+    assert "route as rank 0" in captions[0]
+    # the published figures the prediction is read against, with their layouts and sources
+    assert "Megatron-LM 234.1 TFLOP/s per GPU (32x H100, TP1 PP1 EP8" in captions[1]
+    assert "NeMo AutoModel 277 TFLOP/s per GPU (8x H100, EP8 FSDP8" in captions[1]
+
+
+def test_an_emulated_run_of_another_model_names_no_published_figure(tmp_path):
+    argv = bench.argsfile.read(TINY) + ["--expert-model-parallel-size", "2"]
+    row = {"variant": "fork", "argv": argv, "emulated_world": 4}
+    row.update(bench.summarize(records([0.5, 0.5, 0.5], [3.0, 2.0, 1.0], world=4), 1, 790.0))
+    opts = bench.parse_options(["--config", TINY, "--out", str(tmp_path), "--emulate", "4"])
+    result = {"iters": 3, "warmup": 1, "peak_tflops": 790.0, "variants": [row]}
+    result["emulate"] = bench.emulation_result(opts, {"device": "NVIDIA H200"}, [row])
+    assert result["emulate"]["anchors"] == []
+    captions = [caption for caption, _ in bench.report_sections(result)]
+    assert "stand-ins" in captions[0] and "Published" not in captions[1]
 
 
 def test_check_real_needs_an_emulated_layout_that_fits_one_host():
