@@ -350,3 +350,17 @@ def test_optimizer_graph_needs_one_norm_group():
     assert name not in failures(tiny_argv(*graph, "--use-distributed-optimizer"), 2)
     assert name not in failures(tiny_argv("--optimizer-cuda-graph"), 1)
     assert name not in failures(tiny_argv("--expert-model-parallel-size", "2"), 2)
+
+
+def test_the_optimizer_graph_refuses_flags_whose_step_reads_the_host():
+    """--log-num-zeros-in-grad and --fp16 make megatron's optimizer step read a value back to
+    the host (count_zeros_fp32, found_inf), which --optimizer-cuda-graph cannot capture: the rule
+    names the flag and what it reads; either flag alone, or the graph alone, is accepted."""
+    name = "optimizer-graph-host-reads"
+    got = failures(tiny_argv("--optimizer-cuda-graph", "--log-num-zeros-in-grad"), 1)
+    assert "--log-num-zeros-in-grad (the count of zero gradients)" in got[name]
+    assert "Drop --log-num-zeros-in-grad or --optimizer-cuda-graph" in got[name]
+    fp16 = argsfile.remove(tiny_argv("--optimizer-cuda-graph", "--fp16"), "--bf16")
+    assert "--fp16 (the loss scaler's inf/nan check)" in failures(fp16, 1)[name]
+    assert name not in failures(tiny_argv("--log-num-zeros-in-grad"), 1)
+    assert name not in failures(tiny_argv("--optimizer-cuda-graph"), 1)

@@ -167,3 +167,29 @@ def _optimizer_graph_norm_group(args):
         "over different groups and summed on the host, which the optimizer's CUDA graph cannot "
         "capture. Add --use-distributed-optimizer or drop --optimizer-cuda-graph."
     )
+
+
+@rule(
+    "optimizer-graph-host-reads",
+    phase="layout",
+    flags=("--optimizer-cuda-graph", "--log-num-zeros-in-grad", "--fp16"),
+)
+def _optimizer_graph_host_reads(args):
+    """megatron's optimizer step reads a value back to the host with these flags, inside the step
+    that --optimizer-cuda-graph captures, where a CUDA graph cannot: the count of zero gradients
+    (``count_zeros_fp32``'s ``.item()``) and fp16's check of the loss scaler for inf/nan
+    (``found_inf.item()``). The capture fails at the first graphed step."""
+    if not getattr(args, "optimizer_cuda_graph", False):
+        return None
+    reads = []
+    if getattr(args, "log_num_zeros_in_grad", False):
+        reads.append("--log-num-zeros-in-grad (the count of zero gradients)")
+    if getattr(args, "fp16", False):
+        reads.append("--fp16 (the loss scaler's inf/nan check)")
+    if not reads:
+        return None
+    return (
+        f"--optimizer-cuda-graph with {' and '.join(reads)}: megatron's optimizer step reads "
+        "that value back to the host, which the optimizer's CUDA graph cannot capture. Drop "
+        f"{' and '.join(r.split(' ')[0] for r in reads)} or --optimizer-cuda-graph."
+    )
