@@ -103,16 +103,23 @@ def refusal(choice: Choice, args: Any) -> str:
     lean = choice.leanest
     changes = [
         "more GPUs or a larger --expert-model-parallel-size (now "
-        f"{args.expert_model_parallel_size}; fewer experts per rank)",
-        f"a smaller --micro-batch-size (now {args.micro_batch_size})",
+        f"{args.expert_model_parallel_size}; fewer experts per rank)"
     ]
     if not args.use_distributed_optimizer:
-        changes.insert(1, "--use-distributed-optimizer (DIST_OPT=1)")
+        changes.append("--use-distributed-optimizer (DIST_OPT=1)")
+    factor = getattr(args, "moe_static_dispatch_capacity_factor", None)
+    if getattr(args, "moe_static_dispatch", False) and factor and factor > 1:
+        changes.append(
+            f"a smaller --moe-static-dispatch-capacity-factor (now {factor:g}; CAPACITY_FACTOR)"
+        )
+    if args.micro_batch_size > 1:
+        changes.append(f"a smaller --micro-batch-size (now {args.micro_batch_size})")
+    wanted = ", ".join(changes[:-1]) + " or " + changes[-1] if len(changes) > 1 else changes[0]
     return (
         f"megatron-patchset: MEMORY={choice.budget} ({flags.FLAG} {choice.budget}): even the "
         f"leanest combination, {lean.levers.describe()}, needs about {lean.gib:.1f} GiB per "
         f"rank, more than the {choice.allowed_gib:.1f} GiB that {choice.budget} allows "
-        f"({HEADROOM:.0%} headroom); use " + ", ".join(changes[:-1]) + f" or {changes[-1]}."
+        f"({HEADROOM:.0%} headroom); use {wanted}."
     )
 
 

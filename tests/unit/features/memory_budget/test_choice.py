@@ -100,8 +100,12 @@ def test_what_ran_out_of_memory_on_an_h100_is_refused_at_80g_and_fits_141g(run, 
     assert message.startswith("megatron-patchset: MEMORY=80G (--memory-budget 80G): ")
     assert f"needs about {at_80.leanest.gib:.1f} GiB per rank" in message
     assert "moe_act and layernorm recomputed" in message  # the leanest
-    assert f"--micro-batch-size (now {run.micro_batch})" in message
     assert "--expert-model-parallel-size (now 8;" in message
+    # a smaller micro-batch only where there is one; the static dispatch's padding where it pads
+    assert (f"--micro-batch-size (now {run.micro_batch})" in message) is (run.micro_batch > 1)
+    padded = args.moe_static_dispatch and args.moe_static_dispatch_capacity_factor > 1
+    assert ("--moe-static-dispatch-capacity-factor (now" in message) is bool(padded)
+    assert message.endswith(".") and " or " in message
 
 
 def test_without_bf16_moments_the_budget_recomputes_with_fp32_moments():
