@@ -1,7 +1,8 @@
 """``--adam-impl torch|triton`` under megatron's distributed optimizer, on the CPU: megatron's
 DistributedDataParallel and DistributedOptimizer (gloo, 2 and 4 data-parallel ranks) around the
-tiny MoE GPT, against megatron's own Adam; a resume from megatron's distributed checkpoint at the
-same size, with and without the patches that carry the step; a checkpoint of 2 ranks loaded at
+tiny MoE GPT, against megatron's own Adam (torch's fused step, and the one-kernel step under
+Triton's interpreter); a resume from megatron's distributed checkpoint at the same size (2 and 4
+ranks), with and without the patches that carry the step; a checkpoint of 2 ranks loaded at
 4; the bf16 shards the one-kernel step writes (Triton's interpreter); its bf16 moments
 (``--adam-moments-dtype bf16``) through megatron's distributed checkpoint, resumed at 2 ranks and
 loaded at 4; and megatron's ``--overlap-grad-reduce --overlap-param-gather`` around both steps,
@@ -101,6 +102,7 @@ def dp2(tmp_path_factory, checkpoints):
         )
         bf16 += [
             dict(name="moments_bf16", stop=N, state_after=N, **MOMENTS_BF16),
+            dict(name="triton", impl="triton", stop=N, **INTERPRETED),
             dict(name="moments_bf16_overlap", stop=N, overlap=True, **MOMENTS_BF16),
             dict(
                 name="moments_bf16_save",
@@ -214,6 +216,13 @@ def dp4(tmp_path_factory, dp2, checkpoints):
             dict(name="megatron_ep2", impl="megatron", stop=N, ep=2),
             dict(name="torch_ep2", impl="torch", stop=N, ep=2),
             dict(
+                name="save",
+                impl="torch",
+                stop=K,
+                save={"dp_reshardable": str(checkpoints / "dp4_dp_reshardable")},
+            ),
+            *([dict(name="triton", impl="triton", stop=N, **INTERPRETED)] if TRITON else []),
+            dict(
                 name="reshard",
                 impl="torch",
                 start=K,
@@ -232,6 +241,24 @@ def dp4(tmp_path_factory, dp2, checkpoints):
                 )
                 for sharding in (SHARDINGS if TRITON else [])
             ),
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def dp4_resumed(tmp_path_factory, dp4, checkpoints):
+    """Four fresh ranks: dp4's checkpoint loaded, iterations K+1..N."""
+    return spawn(
+        tmp_path_factory.mktemp("dp4_resumed"),
+        4,
+        [
+            dict(
+                name="dp_reshardable",
+                impl="torch",
+                start=K,
+                stop=N,
+                load=[str(checkpoints / "dp4_dp_reshardable"), "dp_reshardable"],
+            )
         ],
     )
 
@@ -365,6 +392,38 @@ def test_an_overlapped_run_resumes_bit_identically(dp2, dp2_resumed):
     stale = dp2_resumed["overlap_stale"]
     assert all(rank["iterations"] == list(range(K + 1, N + 1)) for rank in stale)
     assert [rank["losses"][0] for rank in stale] != [rank["losses"][K] for rank in dp2["overlap"]]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRITON, reason="needs Triton (its interpreter runs the kernel)")
+@pytest.mark.parametrize("size", ["dp2", "dp4"])
+def test_the_triton_impl_trains_as_megatrons_adam(request, size):
+    """--adam-impl triton (the one-kernel step, under Triton's interpreter) against megatron's
+    Adam over N iterations at 2 and 4 ranks: the same losses and gradient norms within the
+    tolerance of the torch impl, with the kernel stepping every rank's shard."""
+    run = request.getfixturevalue(size)
+    for ref, own in zip(run["megatron"], run["triton"], strict=True):
+        assert "torch_adam.triton_step" in own["applied"]
+        assert own["kernel"] and all(own["kernel"])
+        assert own["iterations"] == ref["iterations"] == list(range(1, N + 1))
+        assert own["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL)
+        assert own["grad_norms"] == pytest.approx(ref["grad_norms"], rel=LOSS_RTOL)
+        assert own["steps"][-1] == [[float(N)]] * len(own["inner"])
+
+
+@pytest.mark.slow
+def test_a_resume_at_4_ranks_continues_bit_identically(dp4, dp4_resumed):
+    """K iterations at 4 data-parallel ranks, megatron's distributed checkpoint, 4 fresh ranks
+    that load it: iterations K+1..N are those of the run that did not stop, to the bit."""
+    for full, saved, resumed in zip(
+        dp4["torch"], dp4["save"], dp4_resumed["dp_reshardable"], strict=True
+    ):
+        assert saved["losses"] == full["losses"][:K]
+        assert resumed["loaded_steps"] == [[float(K)]]
+        assert resumed["iterations"] == list(range(K + 1, N + 1))
+        assert resumed["losses"] == full["losses"][K:]
+        assert resumed["grad_norms"] == full["grad_norms"][K:]
+        assert resumed["steps"] == full["steps"][K:]
 
 
 @pytest.mark.slow
