@@ -1213,6 +1213,7 @@ def emulation_result(opts: argparse.Namespace, facts: dict, rows: list[dict]) ->
         "gpus_per_node": opts.gpus_per_node,
         "links": dataclasses.asdict(links),
         "anchors": [anchor.describe() for anchor in anchors],
+        "device": facts.get("device"),
     }
 
 
@@ -1329,6 +1330,12 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
     if emulate and any(r.get("comm") for r in result["variants"]):
         links = emulate["links"]
         anchors = emulate.get("anchors") or []
+        device = emulate.get("device") or ""
+        measured_on = (
+            f" The emulated steps are this {device}'s: only the links are {emulate['system']}'s."
+            if device and emulate["system"].upper() not in device.upper()
+            else ""
+        )
         published = (
             " Published for this model, with communication: " + "; ".join(anchors) + "."
             if anchors
@@ -1345,7 +1352,7 @@ def report_sections(result: dict) -> list[tuple[str, str]]:
                 "experts of the other chunks do not cover, at the step's average TFLOP/s), and "
                 "the data-parallel traffic hidden behind "
                 "forward and backward up to their length (first figure) or not at all (second). "
-                "A plan, not a measurement: tools/bench/comm_model.py." + published,
+                "A plan, not a measurement: tools/bench/comm_model.py." + measured_on + published,
                 format_comm_table(result["variants"]),
             )
         )

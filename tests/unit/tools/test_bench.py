@@ -595,6 +595,8 @@ def test_an_emulated_run_reports_tokens_per_gpu_and_the_skipped_communication(tm
     table = dict(bench.report_sections(result))
     assert "tokens/s/GPU" in table[captions[0]]
     assert "rank 0 of 32" in captions[1] and "h100" in captions[1]
+    # predicted for h100 nodes from an H200's step: the caption says whose step it is
+    assert "The emulated steps are this NVIDIA H200's: only the links are h100's." in captions[1]
     assert row["comm"]["step_exposed_ms"] > row["step_ms"]
     # the stand-in says what it is, beside the measured table
     assert "expert-parallel exchanges are stand-ins" in captions[0]
@@ -614,6 +616,7 @@ def test_an_emulated_run_of_another_model_names_no_published_figure(tmp_path):
     assert result["emulate"]["anchors"] == []
     captions = [caption for caption, _ in bench.report_sections(result)]
     assert "stand-ins" in captions[0] and "Published" not in captions[1]
+    assert "only the links" not in captions[1]  # h200 links for an H200's step
 
 
 def test_check_real_needs_an_emulated_layout_that_fits_one_host():
