@@ -2,12 +2,12 @@
 DistributedDataParallel and DistributedOptimizer (gloo, 2 and 4 data-parallel ranks) around the
 tiny MoE GPT, against megatron's own Adam (torch's fused step, and the one-kernel step under
 Triton's interpreter); a resume from megatron's distributed checkpoint at the same size (2 and 4
-ranks), with and without the patches that carry the step; a checkpoint of 2 ranks loaded at
-4; the bf16 shards the one-kernel step writes (Triton's interpreter); its bf16 moments
-(``--adam-moments-dtype bf16``) through megatron's distributed checkpoint, resumed at 2 ranks and
-loaded at 4; and megatron's ``--overlap-grad-reduce --overlap-param-gather`` around both steps,
-with a resume. The worker is tests/unit/support/cpu_distributed_optimizer.py; each spawn runs
-several phases in one process group."""
+ranks), with and without the patches that carry the step; a checkpoint of 2 ranks loaded at 4
+and one of 4 loaded at 2; the bf16 shards the one-kernel step writes (Triton's interpreter); its
+bf16 moments (``--adam-moments-dtype bf16``) through megatron's distributed checkpoint, resumed
+at 2 ranks and loaded at 4; and megatron's ``--overlap-grad-reduce --overlap-param-gather``
+around both steps, with a resume. The worker is tests/unit/support/cpu_distributed_optimizer.py;
+each spawn runs several phases in one process group."""
 
 import importlib.util
 import json
@@ -219,7 +219,11 @@ def dp4(tmp_path_factory, dp2, checkpoints):
                 name="save",
                 impl="torch",
                 stop=K,
-                save={"dp_reshardable": str(checkpoints / "dp4_dp_reshardable")},
+                state_after=K,
+                save={
+                    "dp_reshardable": str(checkpoints / "dp4_dp_reshardable"),
+                    "fully_reshardable": str(checkpoints / "dp4_fully_reshardable"),
+                },
             ),
             *([dict(name="triton", impl="triton", stop=N, **INTERPRETED)] if TRITON else []),
             dict(
@@ -241,6 +245,26 @@ def dp4(tmp_path_factory, dp2, checkpoints):
                 )
                 for sharding in (SHARDINGS if TRITON else [])
             ),
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def dp2_from_dp4(tmp_path_factory, dp4, checkpoints):
+    """Two ranks: dp4's fully_reshardable checkpoint loaded (the state dumped right after the
+    load), one iteration."""
+    return spawn(
+        tmp_path_factory.mktemp("dp2_from_dp4"),
+        2,
+        [
+            dict(
+                name="reshard",
+                impl="torch",
+                start=K,
+                stop=K + 1,
+                state_after=K,
+                load=[str(checkpoints / "dp4_fully_reshardable"), "fully_reshardable"],
+            )
         ],
     )
 
@@ -457,6 +481,18 @@ def test_a_checkpoint_of_2_ranks_loads_at_4_with_the_same_state(dp2, dp4):
     assert_same_state(dp4.state("reshard"), dp2.state("save"))
     for rank in dp4["reshard"]:
         assert rank["checkpoint_group_steps"] == [float(K)] * len(rank["checkpoint_group_steps"])
+        assert rank["loaded_steps"] == [[float(K)]]
+        assert rank["steps"] == [[[float(K + 1)]]]
+        assert math.isfinite(rank["losses"][0])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_4_ranks_loads_at_2_with_the_same_state(dp4, dp2_from_dp4):
+    """The other direction: the fully_reshardable checkpoint saved at 4 data-parallel ranks,
+    loaded at 2, gives to the bit the fp32 main parameters and moments the 4 ranks held, every
+    rank holds the step, and the next step runs."""
+    assert_same_state(dp2_from_dp4.state("reshard"), dp4.state("save"))
+    for rank in dp2_from_dp4["reshard"]:
         assert rank["loaded_steps"] == [[float(K)]]
         assert rank["steps"] == [[[float(K + 1)]]]
         assert math.isfinite(rank["losses"][0])
