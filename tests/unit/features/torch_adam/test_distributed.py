@@ -80,6 +80,13 @@ def spawn(folder, world_size, phases):
     return Run(out, {name: [rank[name] for rank in ranks] for name in ranks[0]})
 
 
+def torch_save(name, save, **extra):
+    """A phase of --adam-impl torch that trains K iterations and saves: ``save`` is
+    {sharding: folder}."""
+    saved = {sharding: str(folder) for sharding, folder in save.items()}
+    return dict(name=name, impl="torch", stop=K, save=saved, **extra)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return tmp_path_factory.mktemp("checkpoints")
@@ -118,38 +125,23 @@ def dp2(tmp_path_factory, checkpoints):
         [
             dict(name="megatron", impl="megatron", stop=N, state_after=1),
             dict(name="torch", impl="torch", stop=N, state_after=1),
-            dict(
-                name="save",
-                impl="torch",
-                stop=K,
+            torch_save(
+                "save",
+                {s: checkpoints / s for s in SHARDINGS},
                 state_after=K,
-                save={
-                    "dp_reshardable": str(checkpoints / "dp_reshardable"),
-                    "fully_reshardable": str(checkpoints / "fully_reshardable"),
-                },
             ),
             dict(name="overlap", impl="torch", stop=N, overlap=True),
-            dict(
-                name="overlap_save",
-                impl="torch",
-                stop=K,
-                overlap=True,
-                save={"dp_reshardable": str(checkpoints / "overlap")},
-            ),
-            dict(
-                name="overlap_stale_save",
-                impl="torch",
-                stop=K,
+            torch_save("overlap_save", {"dp_reshardable": checkpoints / "overlap"}, overlap=True),
+            torch_save(
+                "overlap_stale_save",
+                {"dp_reshardable": checkpoints / "overlap_stale"},
                 overlap=True,
                 stale_save=True,
-                save={"dp_reshardable": str(checkpoints / "overlap_stale")},
             ),
-            dict(
-                name="save_without_step",
-                impl="torch",
-                stop=K,
+            torch_save(
+                "save_without_step",
+                {"dp_reshardable": checkpoints / "without_step"},
                 revert=STEP_PATCHES,
-                save={"dp_reshardable": str(checkpoints / "without_step")},
             ),
             *bf16,
         ],
@@ -215,16 +207,7 @@ def dp4(tmp_path_factory, dp2, checkpoints):
             dict(name="torch", impl="torch", stop=N, state_after=1),
             dict(name="megatron_ep2", impl="megatron", stop=N, ep=2),
             dict(name="torch_ep2", impl="torch", stop=N, ep=2),
-            dict(
-                name="save",
-                impl="torch",
-                stop=K,
-                state_after=K,
-                save={
-                    "dp_reshardable": str(checkpoints / "dp4_dp_reshardable"),
-                    "fully_reshardable": str(checkpoints / "dp4_fully_reshardable"),
-                },
-            ),
+            torch_save("save", {s: checkpoints / f"dp4_{s}" for s in SHARDINGS}, state_after=K),
             *([dict(name="triton", impl="triton", stop=N, **INTERPRETED)] if TRITON else []),
             dict(
                 name="reshard",
