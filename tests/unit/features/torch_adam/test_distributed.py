@@ -87,6 +87,12 @@ def torch_save(name, save, **extra):
     return dict(name=name, impl="torch", stop=K, save=saved, **extra)
 
 
+def torch_load(name, folder, sharding, stop=N, **extra):
+    """A phase of --adam-impl torch that loads the checkpoint in ``folder`` (saved with
+    ``sharding``) and trains iterations K+1..``stop``."""
+    return dict(name=name, impl="torch", start=K, stop=stop, load=[str(folder), sharding], **extra)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return tmp_path_factory.mktemp("checkpoints")
@@ -154,14 +160,7 @@ def dp2_resumed(tmp_path_factory, dp2, checkpoints):
     the dp_reshardable one, the state dumped after the last)."""
 
     def resume(name, folder, sharding="dp_reshardable", **extra):
-        return dict(
-            name=name,
-            impl="torch",
-            start=K,
-            stop=N,
-            load=[str(checkpoints / folder), sharding],
-            **extra,
-        )
+        return torch_load(name, checkpoints / folder, sharding, **extra)
 
     return spawn(
         tmp_path_factory.mktemp("dp2_resumed"),
@@ -209,13 +208,12 @@ def dp4(tmp_path_factory, dp2, checkpoints):
             dict(name="torch_ep2", impl="torch", stop=N, ep=2),
             torch_save("save", {s: checkpoints / f"dp4_{s}" for s in SHARDINGS}, state_after=K),
             *([dict(name="triton", impl="triton", stop=N, **INTERPRETED)] if TRITON else []),
-            dict(
-                name="reshard",
-                impl="torch",
-                start=K,
+            torch_load(
+                "reshard",
+                checkpoints / "fully_reshardable",
+                "fully_reshardable",
                 stop=K + 1,
                 state_after=K,
-                load=[str(checkpoints / "fully_reshardable"), "fully_reshardable"],
             ),
             *(
                 dict(
@@ -240,13 +238,12 @@ def dp2_from_dp4(tmp_path_factory, dp4, checkpoints):
         tmp_path_factory.mktemp("dp2_from_dp4"),
         2,
         [
-            dict(
-                name="reshard",
-                impl="torch",
-                start=K,
+            torch_load(
+                "reshard",
+                checkpoints / "dp4_fully_reshardable",
+                "fully_reshardable",
                 stop=K + 1,
                 state_after=K,
-                load=[str(checkpoints / "dp4_fully_reshardable"), "fully_reshardable"],
             )
         ],
     )
@@ -258,15 +255,7 @@ def dp4_resumed(tmp_path_factory, dp4, checkpoints):
     return spawn(
         tmp_path_factory.mktemp("dp4_resumed"),
         4,
-        [
-            dict(
-                name="dp_reshardable",
-                impl="torch",
-                start=K,
-                stop=N,
-                load=[str(checkpoints / "dp4_dp_reshardable"), "dp_reshardable"],
-            )
-        ],
+        [torch_load("dp_reshardable", checkpoints / "dp4_dp_reshardable", "dp_reshardable")],
     )
 
 
