@@ -181,15 +181,19 @@ def _optimizer_graph_host_reads(args):
     (``found_inf.item()``). The capture fails at the first graphed step."""
     if not getattr(args, "optimizer_cuda_graph", False):
         return None
-    reads = []
-    if getattr(args, "log_num_zeros_in_grad", False):
-        reads.append("--log-num-zeros-in-grad (the count of zero gradients)")
-    if getattr(args, "fp16", False):
-        reads.append("--fp16 (the loss scaler's inf/nan check)")
+    reads = [
+        (flag, what)
+        for flag, dest, what in (
+            ("--log-num-zeros-in-grad", "log_num_zeros_in_grad", "the count of zero gradients"),
+            ("--fp16", "fp16", "the loss scaler's inf/nan check"),
+        )
+        if getattr(args, dest, False)
+    ]
     if not reads:
         return None
+    named = " and ".join(f"{flag} ({what})" for flag, what in reads)
     return (
-        f"--optimizer-cuda-graph with {' and '.join(reads)}: megatron's optimizer step reads "
-        "that value back to the host, which the optimizer's CUDA graph cannot capture. Drop "
-        f"{' and '.join(r.split(' ')[0] for r in reads)} or --optimizer-cuda-graph."
+        f"--optimizer-cuda-graph with {named}: megatron's optimizer step reads that value back "
+        "to the host, which the optimizer's CUDA graph cannot capture. Drop "
+        f"{' and '.join(flag for flag, _ in reads)} or --optimizer-cuda-graph."
     )
