@@ -30,8 +30,12 @@ def folder_last(folder: str) -> None:
     """Move ``folder`` (every entry that names it, through links too) to the end of ``sys.path``:
     its modules still import, and every package installed in the environment (the pinned
     megatron-core among them) comes before it."""
-    real = os.path.realpath(folder)
-    sys.path[:] = [p for p in sys.path if not p or os.path.realpath(p) != real] + [folder]
+    sys.path[:] = [p for p in sys.path if not names(p, folder)] + [folder]
+
+
+def names(entry: str, folder: str) -> bool:
+    """Whether the ``sys.path`` entry ``entry`` is ``folder``, through links too."""
+    return bool(entry) and os.path.realpath(entry) == os.path.realpath(folder)
 
 
 def main() -> None:
@@ -44,7 +48,7 @@ def main() -> None:
     if not os.path.exists(script):
         sys.exit(f"{NAME}: {script} does not exist")
     folder = os.path.dirname(script)
-    if folder not in {os.path.abspath(p) for p in sys.path if p}:
+    if not any(names(p, folder) for p in sys.path):
         sys.exit(f"{NAME}: {folder} is not on PYTHONPATH (its sibling modules import from there)")
     folder_last(folder)
     sys.argv = [script] + sys.argv[2:]
