@@ -308,6 +308,16 @@ def test_torch_impl_trains_as_megatrons_adam(request, size, reference, ours):
         assert_same_state(run.state(ours), run.state(reference), **STATE_TOL)
 
 
+def assert_continues(resumed, full):
+    """A rank that loaded step K continues its run that did not stop: iterations K+1..N with the
+    same losses, gradient norms and optimizer steps, to the bit."""
+    assert resumed["loaded_steps"] == [[float(K)]]
+    assert resumed["iterations"] == list(range(K + 1, N + 1))
+    assert resumed["losses"] == full["losses"][K:]
+    assert resumed["grad_norms"] == full["grad_norms"][K:]
+    assert resumed["steps"] == full["steps"][K:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
 def test_a_resume_at_the_same_size_continues_bit_identically(dp2, dp2_resumed, sharding):
@@ -318,11 +328,7 @@ def test_a_resume_at_the_same_size_continues_bit_identically(dp2, dp2_resumed, s
         assert resumed["checkpoint_group_steps"] == [float(K)] * len(
             resumed["checkpoint_group_steps"]
         )
-        assert resumed["loaded_steps"] == [[float(K)]]
-        assert resumed["iterations"] == list(range(K + 1, N + 1))
-        assert resumed["losses"] == full["losses"][K:]
-        assert resumed["grad_norms"] == full["grad_norms"][K:]
-        assert resumed["steps"] == full["steps"][K:]
+        assert_continues(resumed, full)
 
 
 def assert_overlapped(record):
@@ -378,11 +384,7 @@ def test_an_overlapped_run_resumes_bit_identically(dp2, dp2_resumed):
     ):
         assert_overlapped(resumed)
         assert saved["losses"] == full["losses"][:K]
-        assert resumed["loaded_steps"] == [[float(K)]]
-        assert resumed["iterations"] == list(range(K + 1, N + 1))
-        assert resumed["losses"] == full["losses"][K:]
-        assert resumed["grad_norms"] == full["grad_norms"][K:]
-        assert resumed["steps"] == full["steps"][K:]
+        assert_continues(resumed, full)
     # A rank whose own shard the loaded main parameters overwrite sees the run's weights; the
     # rank that saved the model's parameters keeps the other shard as its last step left it.
     stale = dp2_resumed["overlap_stale"]
@@ -415,11 +417,7 @@ def test_a_resume_at_4_ranks_continues_bit_identically(dp4, dp4_resumed):
         dp4["torch"], dp4["save"], dp4_resumed["dp_reshardable"], strict=True
     ):
         assert saved["losses"] == full["losses"][:K]
-        assert resumed["loaded_steps"] == [[float(K)]]
-        assert resumed["iterations"] == list(range(K + 1, N + 1))
-        assert resumed["losses"] == full["losses"][K:]
-        assert resumed["grad_norms"] == full["grad_norms"][K:]
-        assert resumed["steps"] == full["steps"][K:]
+        assert_continues(resumed, full)
 
 
 @pytest.mark.slow
@@ -541,12 +539,8 @@ def test_bf16_moments_resume_from_the_distributed_checkpoint_bit_identically(dp2
         assert save_rank["grad_norms"] == full_rank["grad_norms"][:K]
         groups = resumed["checkpoint_group_steps"]
         assert groups == [float(K)] * len(groups)
-        assert resumed["loaded_steps"] == [[float(K)]]
         assert resumed["loaded_dtypes"] == [BF16_MOMENTS]
-        assert resumed["iterations"] == list(range(K + 1, N + 1))
-        assert resumed["losses"] == full_rank["losses"][K:]
-        assert resumed["grad_norms"] == full_rank["grad_norms"][K:]
-        assert resumed["steps"] == full_rank["steps"][K:]
+        assert_continues(resumed, full_rank)
     state = dp2_resumed.state("moments_bf16")
     assert_bf16_moments(state)
     assert_same_state(state, dp2.state("moments_bf16"))
