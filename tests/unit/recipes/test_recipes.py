@@ -17,6 +17,8 @@ from tests.unit.conftest import ROOT
 # the small_batch recipe's default: TransformerEngine's norms through cuDNN
 CUDNN = {"NVTE_NORM_FWD_USE_CUDNN": "1", "NVTE_NORM_BWD_USE_CUDNN": "1"}
 ONE_QUEUE = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # small_batch's default, unless chunked
+# what every MEMORY but max sets
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 SUPPORT = {"recipe", "cli"}
 
@@ -95,7 +97,7 @@ def test_small_batch_follows_its_knobs():
     assert flags[flags.index("--moe-static-dispatch-chunks") + 1] == "2"
     # the two streams need hardware queues of their own
     assert dict(chunked.env) == {
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        **EXPANDABLE,
         **CUDNN,
         "CUDA_DEVICE_MAX_CONNECTIONS": "32",
     }
@@ -122,11 +124,7 @@ def test_small_batch_memory_budget_passes_megatrons_and_the_forks_checks(knobs, 
 
     built = recipes.get("small_batch")(MEMORY=memory, **knobs)
     flags = list(built.flags)
-    assert dict(built.env) == {
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-        **CUDNN,
-        **ONE_QUEUE,
-    }
+    assert dict(built.env) == {**EXPANDABLE, **CUDNN, **ONE_QUEUE}
     assert dict(recipes.get("small_batch")(**knobs).env) == {**CUDNN, **ONE_QUEUE}
     assert flags[flags.index("--memory-budget") + 1] == memory
     assert [f for f in flags if f != "--memory-budget" and f != memory] == recipes.flags(
@@ -144,12 +142,8 @@ def test_small_batch_cudnn_norms_sets_transformer_engines_norm_backend():
     backward, as environment defaults; CUDNN_NORMS=0 leaves them to TransformerEngine."""
     on = recipes.get("small_batch")(EP=8, MEMORY="80G")
     off = recipes.get("small_batch")(EP=8, MEMORY="80G", CUDNN_NORMS=0)
-    assert dict(on.env) == {
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-        **CUDNN,
-        **ONE_QUEUE,
-    }
-    assert dict(off.env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **ONE_QUEUE}
+    assert dict(on.env) == {**EXPANDABLE, **CUDNN, **ONE_QUEUE}
+    assert dict(off.env) == {**EXPANDABLE, **ONE_QUEUE}
     assert on.flags == off.flags
     assert dict(recipes.get("small_batch")(CUDNN_NORMS=0).env) == ONE_QUEUE
 
@@ -204,11 +198,7 @@ def test_small_batch_memory_moments_asks_for_bf16_moments_alone(knobs):
     from tests.unit.conftest import combination_failures, tiny_argv, validated
 
     moments = recipes.get("small_batch")(MEMORY="moments", **knobs)
-    assert dict(moments.env) == {
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-        **CUDNN,
-        **ONE_QUEUE,
-    }
+    assert dict(moments.env) == {**EXPANDABLE, **CUDNN, **ONE_QUEUE}
     assert not {"--recompute-granularity", "--memory-budget"} & set(moments.flags)
     assert {"--adam-moments-dtype", "--exp-avg-dtype"} & set(moments.flags)
     world = int(knobs.get("EP", 1))
