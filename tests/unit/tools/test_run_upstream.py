@@ -35,12 +35,20 @@ def checkout(tmp_path):
     return script
 
 
-def run(argv, folder):
+def launch(argv, folder=None):
+    """``argv`` in a fresh interpreter, ``folder`` first on PYTHONPATH (None: no PYTHONPATH)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_PATCHSET")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
-    done = subprocess.run(
+    if folder is None:
+        env.pop("PYTHONPATH", None)
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
+    return subprocess.run(
         [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=300
     )
+
+
+def run(argv, folder):
+    done = launch(argv, folder)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     return dict(line.split(" ", 1) for line in lines if line.split(" ")[0].isalpha()), lines
@@ -74,10 +82,6 @@ def test_the_checkout_under_another_name_moves_too(tmp_path):
 
 
 def test_a_folder_off_the_path_is_refused(tmp_path):
-    script = checkout(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [sys.executable, ENTRY, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = launch([ENTRY, str(checkout(tmp_path))])
     assert done.returncode != 0
     assert "is not on PYTHONPATH" in done.stderr
